@@ -1,0 +1,38 @@
+# Two commands for a newcomer:  make serve   and   make test
+# (each sets up the virtualenv first; Python 3.11+ is all they need).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: setup serve test lint unit integration bench clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+# extproc (examples/policy.yaml) + Envoy (envoy/envoy.yaml) on 127.0.0.1:10000, in front of
+# an OpenAI-compatible backend on 127.0.0.1:8000. Ctrl-C stops both.
+serve: setup
+	@trap 'kill 0' EXIT INT TERM; \
+	$(VENV)/bin/extproc serve --policy examples/policy.yaml --log-format console & \
+	$(VENV)/bin/envoy -c envoy/envoy.yaml --log-level warn --concurrency 1
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+test: lint
+	$(VENV)/bin/pytest
+
+unit: setup
+	$(VENV)/bin/pytest tests/unit
+
+integration: setup
+	$(VENV)/bin/pytest tests/integration
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

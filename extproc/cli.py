@@ -1,0 +1,108 @@
+"""The command line: ``extproc serve``, ``extproc policy check`` and friends."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+
+from extproc import __version__
+from extproc.settings import Address, Settings, env
+
+EXIT_BAD_POLICY = 2
+EXIT_STARTUP = 3
+
+
+def _address(text: str) -> Address:
+    try:
+        return Address.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from extproc import app, log
+    from extproc.policy import PolicyError, load_policy
+
+    try:
+        log.configure(args.log_format, args.log_level)
+    except ValueError as exc:
+        print(f"extproc: {exc}", file=sys.stderr)
+        return 2
+    try:
+        policy = load_policy(args.policy)
+    except PolicyError as exc:
+        print(f"extproc: the policy cannot be used ({len(exc.problems)} problem(s)):", file=sys.stderr)
+        for problem in exc.problems:
+            print(f"  {problem}", file=sys.stderr)
+        return EXIT_BAD_POLICY
+    settings = Settings(policy=args.policy, grpc=args.grpc, http=args.http, log_format=args.log_format,
+                        log_level=args.log_level, shutdown_grace_s=args.shutdown_grace, seed=args.seed)
+    try:
+        asyncio.run(app.serve(settings, policy))
+    except app.StartupError as exc:
+        print(f"extproc: {exc}", file=sys.stderr)
+        return EXIT_STARTUP
+    return 0
+
+
+def _cmd_policy_check(args: argparse.Namespace) -> int:
+    from extproc.policy import PolicyError, load_policy
+
+    status = 0
+    for path in args.files:
+        try:
+            policy = load_policy(path)
+        except PolicyError as exc:
+            print(f"{path}: {len(exc.problems)} problem(s)")
+            for problem in exc.problems:
+                print(f"  {problem}")
+            status = 1
+            continue
+        lanes = ", ".join(f"{lane.name} ({lane.max_inflight} in flight, {lane.max_queued} queued)"
+                          for lane in policy.lanes)
+        count = f"{len(policy.lanes)} lane{'s' if len(policy.lanes) > 1 else ''}"
+        print(f"{path}: ok — {count}: {lanes}; capacity {policy.total_capacity}")
+    return status
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="extproc",
+        description="Admission control for GPU inference behind Envoy: admit, hold in a queue, "
+        "or reject with 429 + Retry-After.",
+    )
+    parser.add_argument("--version", action="version", version=f"extproc {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    serve = commands.add_parser("serve", help="run the ext_proc gRPC service and the metrics/health port")
+    serve.add_argument("--policy", default=env("POLICY", "examples/policy.yaml"),
+                       help="policy file (env EXTPROC_POLICY; default %(default)s)")
+    serve.add_argument("--grpc", type=_address, default=_address(env("GRPC", "127.0.0.1:50051")),
+                       help="ext_proc gRPC listen address (env EXTPROC_GRPC; default %(default)s)")
+    serve.add_argument("--http", type=_address, default=_address(env("HTTP", "127.0.0.1:9090")),
+                       help="metrics/health listen address (env EXTPROC_HTTP; default %(default)s)")
+    serve.add_argument("--log-format", choices=["json", "console"], default=env("LOG_FORMAT", "json"))
+    serve.add_argument("--log-level", default=env("LOG_LEVEL", "info"))
+    serve.add_argument("--shutdown-grace", type=float, default=float(env("SHUTDOWN_GRACE", "30")),
+                       metavar="SECONDS", help="time in-flight requests get to finish on SIGTERM")
+    serve.add_argument("--seed", type=int, default=None, help="seed Retry-After jitter (tests)")
+    serve.set_defaults(func=_cmd_serve)
+
+    policy = commands.add_parser("policy", help="work with policy files")
+    policy_commands = policy.add_subparsers(dest="policy_command", metavar="ACTION", required=True)
+    check = policy_commands.add_parser("check", help="validate policy files; exit 1 if any has problems")
+    check.add_argument("files", nargs="+", metavar="FILE")
+    check.set_defaults(func=_cmd_policy_check)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    result: int = args.func(args)
+    return result
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""The live driver of the pure scheduler: wall clock, futures for held requests, timers.
+
+How this works: every call into the scheduler happens on the event loop's
+thread, so the scheduler needs no locks. Decisions that concern *other*
+requests (a queued request admitted because a slot freed, one rejected because
+its deadline passed or it was evicted) resolve that request's future; the
+handler holding it wakes and answers Envoy. One background task sleeps until
+the scheduler's next deadline and calls ``expire``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections.abc import Callable, Iterable
+
+from extproc.core.admission import Decision, LaneView, Scheduler, State, Ticket
+from extproc.core.decision import Outcome
+from extproc.core.estimate import Job
+from extproc.metrics import Metrics
+from extproc.policy.schema import Policy
+
+
+class Controller:
+    def __init__(self, policy: Policy, metrics: Metrics, *, clock: Callable[[], float] = time.monotonic,
+                 rng: random.Random | None = None) -> None:
+        self.scheduler = Scheduler(policy, rng)
+        self.metrics = metrics
+        self._clock = clock
+        self._waiters: dict[int, asyncio.Future[Decision]] = {}
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._timer: asyncio.Task[None] | None = None
+        metrics.watch(self.lanes, lambda: self.scheduler.draining)
+
+    @property
+    def policy(self) -> Policy:
+        return self.scheduler.policy
+
+    def now(self) -> float:
+        return self._clock()
+
+    def lanes(self) -> dict[str, LaneView]:
+        return self.scheduler.snapshot(self.now())
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().create_task(self._run_timers(), name="extproc-timers")
+
+    async def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._timer
+            self._timer = None
+
+    def drain(self) -> None:
+        """Stop admitting; queued requests are answered at once (503 draining)."""
+        self._settle(self.scheduler.drain(self.now()))
+
+    async def wait_idle(self, grace_s: float) -> bool:
+        """Wait until nothing is in flight; False if the grace period passed first."""
+        try:
+            async with asyncio.timeout(grace_s):
+                await self._idle.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    # -- requests ---------------------------------------------------------------------
+
+    def submit(self, lane: str, tenant: str, job: Job) -> Decision:
+        decision, evicted = self.scheduler.submit(lane, tenant, job, self.now())
+        self._record(decision)
+        if decision.outcome is Outcome.QUEUED:
+            self._waiters[decision.ticket.id] = asyncio.get_running_loop().create_future()
+            self._wake.set()
+        self._settle(evicted)
+        self._update_idle()
+        return decision
+
+    async def wait(self, ticket: Ticket) -> Decision:
+        """Wait until a queued ticket is admitted or rejected."""
+        future = self._waiters[ticket.id]
+        return await asyncio.shield(future)
+
+    def release(self, ticket: Ticket, *, learn: bool = True) -> None:
+        """Idempotent end of a request, however it ended."""
+        if ticket.state is State.DONE:
+            return
+        was_inflight = ticket.state is State.INFLIGHT
+        now = self.now()
+        if was_inflight and ticket.admitted_at is not None:
+            self.metrics.service_time.labels(ticket.lane).observe(now - ticket.admitted_at)
+        elif ticket.state is State.QUEUED:
+            self.metrics.decisions.labels(ticket.lane, Outcome.CANCELLED.value).inc()
+            self._waiters.pop(ticket.id, None)
+        self._settle(self.scheduler.release(ticket, now, learn=learn))
+        self._update_idle()
+
+    # -- internals --------------------------------------------------------------------
+
+    def _record(self, decision: Decision) -> None:
+        lane = decision.ticket.lane
+        self.metrics.decisions.labels(lane, decision.outcome.value).inc()
+        if decision.outcome is Outcome.ADMITTED:
+            self.metrics.queue_wait.labels(lane).observe(decision.ticket.queue_wait)
+        elif decision.reason is not None:
+            self.metrics.rejections.labels(lane, decision.reason.value).inc()
+
+    def _settle(self, decisions: Iterable[Decision]) -> None:
+        for decision in decisions:
+            self._record(decision)
+            future = self._waiters.pop(decision.ticket.id, None)
+            if future is not None and not future.done():
+                future.set_result(decision)
+
+    def _update_idle(self) -> None:
+        if self.scheduler.total_inflight == 0 and self.scheduler.total_queued == 0:
+            self._idle.set()
+        else:
+            self._idle.clear()
+
+    async def _run_timers(self) -> None:
+        while True:
+            due = self.scheduler.next_timer()
+            self._wake.clear()
+            timeout = None if due is None else max(due - self.now(), 0.0)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            before = self.scheduler.reclaimed
+            self._settle(self.scheduler.expire(self.now()))
+            if self.scheduler.reclaimed > before:
+                self.metrics.slots_reclaimed.inc(self.scheduler.reclaimed - before)
+            self._update_idle()

@@ -1,0 +1,316 @@
+"""Admission: slots, queues, deadlines and borrowing for every lane.
+
+How this works: each lane owns ``max_inflight`` slots (its quota); all lanes
+together share ``capacity.max_inflight`` slots. A request is admitted at once if
+its lane is under quota and a slot is free, or — for lanes that may borrow — if a
+slot is free that no other lane with waiting work is owed. Otherwise it is
+queued (if the lane's queue has room and its deadline can plausibly be met) or
+rejected with a reason and a Retry-After.
+
+Whenever a slot frees, queued work is dispatched: lanes that are under quota
+first (that is how lent capacity is given back), highest priority first, then
+borrowers. After every call no queued request is admissible, so the order of
+the queues, not the order of arrivals, decides who goes next.
+
+The scheduler is pure: callers pass ``now`` and get decisions back. The live
+service and the offline simulator both drive it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from dataclasses import dataclass, field
+from enum import Enum
+
+from extproc.core.decision import Outcome, Reason
+from extproc.core.estimate import Estimator, Job
+from extproc.core.queue import Entry, LaneQueue, rank_of
+from extproc.core.retry import retry_after
+from extproc.policy.schema import Lane, Policy
+
+
+class State(Enum):
+    QUEUED = "queued"
+    INFLIGHT = "inflight"
+    DONE = "done"
+
+
+@dataclass(slots=True, eq=False)
+class Ticket:
+    """One request's place in the scheduler, from submission until its slot is released."""
+
+    id: int
+    lane: str
+    tenant: str
+    job: Job
+    arrival: float
+    deadline: float
+    predicted: float
+    state: State = State.QUEUED
+    admitted_at: float | None = None
+    occupancy: float = 0.0
+    entry: Entry | None = None
+
+    @property
+    def queue_wait(self) -> float:
+        return (self.admitted_at - self.arrival) if self.admitted_at is not None else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    outcome: Outcome
+    ticket: Ticket
+    reason: Reason | None = None
+    retry_after: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LaneView:
+    inflight: int
+    limit: int
+    queued: int
+    borrowed: int
+    queued_work: float
+    tenants: dict[str, int] = field(default_factory=dict)
+
+
+class Scheduler:
+    def __init__(self, policy: Policy, rng: random.Random | None = None,
+                 estimator: Estimator | None = None) -> None:
+        self._ids = itertools.count(1)
+        self._rng = rng or random.Random()
+        self.estimator = estimator or Estimator(policy.estimation)
+        self._inflight: dict[str, dict[int, Ticket]] = {}
+        self._queues: dict[str, LaneQueue] = {}
+        self._deadlines: list[tuple[float, int, Ticket]] = []
+        self._leases: list[tuple[float, int, Ticket]] = []
+        self._tickets_by_entry: dict[int, Ticket] = {}
+        self.draining = False
+        self.reclaimed = 0
+        self.reconfigure(policy)
+
+    # -- configuration ------------------------------------------------------------
+
+    def reconfigure(self, policy: Policy) -> None:
+        """Swap in a policy. Queued and in-flight requests keep their place."""
+        self.policy = policy
+        self._lanes = {lane.name: lane for lane in policy.lanes}
+        self._order = sorted(policy.lanes, key=lambda lane: (-lane.priority, lane.name))
+        self._capacity = policy.total_capacity
+        self.estimator.reconfigure(policy.estimation)
+        weights = policy.tenants.weights
+        default = policy.tenants.default_weight
+        for lane in policy.lanes:
+            self._inflight.setdefault(lane.name, {})
+            if lane.name not in self._queues:
+                self._queues[lane.name] = LaneQueue(lambda t: weights.get(t, default))
+
+    # -- counts ---------------------------------------------------------------------
+
+    @property
+    def total_inflight(self) -> int:
+        return sum(len(t) for t in self._inflight.values())
+
+    @property
+    def total_queued(self) -> int:
+        return sum(len(q) for q in self._queues.values())
+
+    def occupancy(self) -> float:
+        return self.total_inflight / self._capacity
+
+    def _within_quota(self, lane: Lane) -> bool:
+        return len(self._inflight[lane.name]) < lane.max_inflight
+
+    def _admissible(self, lane: Lane) -> bool:
+        """Whether one more request of ``lane`` may start now without breaking any limit."""
+        total = self.total_inflight
+        if total >= self._capacity or lane.closed:
+            return False
+        inflight = len(self._inflight[lane.name])
+        if inflight < lane.max_inflight:
+            return True
+        if not lane.borrow:
+            return False
+        if lane.max_borrow is not None and inflight >= lane.max_inflight + lane.max_borrow:
+            return False
+        owed = 0
+        for other in self._lanes.values():
+            if other is lane:
+                continue
+            waiting = len(self._queues[other.name])
+            if waiting:
+                owed += min(waiting, max(0, other.max_inflight - len(self._inflight[other.name])))
+        return self._capacity - total - owed > 0
+
+    def _remaining_work(self, lane: str, now: float) -> float:
+        return sum(
+            max(t.predicted - (now - (t.admitted_at or now)), 0.0)
+            for t in self._inflight[lane].values()
+        )
+
+    def drain_time(self, lane: str, now: float) -> float:
+        """Estimated seconds until the lane's current backlog has been served."""
+        slots = self._lanes[lane].max_inflight
+        return (self._remaining_work(lane, now) + self._queues[lane].work) / slots
+
+    # -- decisions ------------------------------------------------------------------
+
+    def submit(self, lane_name: str, tenant: str, job: Job, now: float
+               ) -> tuple[Decision, list[Decision]]:
+        """Decide a new request. Returns its decision and any queued requests it evicted."""
+        lane = self._lanes[lane_name]
+        predicted = self.estimator.predict(job, self.occupancy())
+        ticket = Ticket(next(self._ids), lane.name, tenant, job, now, now + lane.deadline,
+                        predicted)
+        if self.draining:
+            return self._reject(ticket, Reason.DRAINING, now), []
+        if lane.closed:
+            return self._reject(ticket, Reason.LANE_CLOSED, now), []
+        if not self._queues[lane.name] and self._admissible(lane):
+            self._admit(ticket, now)
+            return Decision(Outcome.ADMITTED, ticket), []
+        queue = self._queues[lane.name]
+        if len(queue) >= lane.max_queued:
+            return self._reject(ticket, Reason.QUEUE_FULL, now), []
+        rank = rank_of(now, ticket.deadline, predicted, self.policy.queueing.sjf_weight)
+        ahead = self._remaining_work(lane.name, now) + queue.work_ahead(rank)
+        if ahead / lane.max_inflight > lane.deadline:
+            return self._reject(ticket, Reason.DEADLINE_UNMEETABLE, now), []
+        evicted: list[Decision] = []
+        cap = self.policy.capacity.max_queued
+        if cap is not None and self.total_queued >= cap:
+            victim = self._victim(lane)
+            if victim is None:
+                return self._reject(ticket, Reason.QUEUE_FULL, now), []
+            evicted.append(self._withdraw(victim, Reason.EVICTED, now))
+        ticket.entry = Entry(ticket.id, tenant, now, ticket.deadline, predicted, rank)
+        queue.push(ticket.entry)
+        self._tickets_by_entry[ticket.id] = ticket
+        heapq.heappush(self._deadlines, (ticket.deadline, ticket.id, ticket))
+        return Decision(Outcome.QUEUED, ticket), evicted
+
+    def release(self, ticket: Ticket, now: float, learn: bool = True) -> list[Decision]:
+        """End a request however it ended; idempotent. Returns requests admitted in its place.
+
+        An in-flight request frees its slot (and, with ``learn``, teaches the estimator
+        its service time); a queued one leaves its queue.
+        """
+        if ticket.state is State.DONE:
+            return []
+        if ticket.state is State.QUEUED:
+            self._dequeue(ticket)
+            ticket.state = State.DONE
+            return self._dispatch(now)
+        self._inflight[ticket.lane].pop(ticket.id, None)
+        ticket.state = State.DONE
+        if learn and ticket.admitted_at is not None:
+            self.estimator.observe(ticket.job, ticket.occupancy, now - ticket.admitted_at)
+        return self._dispatch(now)
+
+    def expire(self, now: float) -> list[Decision]:
+        """Reject queued requests past their deadline; reclaim slots held past the backstop."""
+        out: list[Decision] = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, ticket = heapq.heappop(self._deadlines)
+            if ticket.state is State.QUEUED:
+                out.append(self._withdraw(ticket, Reason.DEADLINE_EXPIRED, now))
+        while self._leases and self._leases[0][0] <= now:
+            _, _, ticket = heapq.heappop(self._leases)
+            if ticket.state is State.INFLIGHT:
+                self.reclaimed += 1
+                self.release(ticket, now, learn=False)
+        out.extend(self._dispatch(now))
+        return out
+
+    def next_timer(self) -> float | None:
+        """When ``expire`` next has something to do."""
+        while self._deadlines and self._deadlines[0][2].state is not State.QUEUED:
+            heapq.heappop(self._deadlines)
+        while self._leases and self._leases[0][2].state is not State.INFLIGHT:
+            heapq.heappop(self._leases)
+        times = [h[0][0] for h in (self._deadlines, self._leases) if h]
+        return min(times) if times else None
+
+    def drain(self, now: float) -> list[Decision]:
+        """Stop admitting; every queued request is rejected as draining."""
+        self.draining = True
+        out = []
+        for queue in self._queues.values():
+            for entry in list(queue.entries()):
+                out.append(self._withdraw(self._tickets_by_entry[entry.id], Reason.DRAINING, now))
+        return out
+
+    def snapshot(self, now: float) -> dict[str, LaneView]:
+        views = {}
+        for name, tickets in self._inflight.items():
+            lane = self._lanes.get(name)
+            limit = lane.max_inflight if lane else 0
+            queue = self._queues[name]
+            views[name] = LaneView(
+                inflight=len(tickets),
+                limit=limit,
+                queued=len(queue),
+                borrowed=max(0, len(tickets) - limit),
+                queued_work=queue.work,
+                tenants=queue.tenants(),
+            )
+        return views
+
+    # -- internals ------------------------------------------------------------------
+
+    def _admit(self, ticket: Ticket, now: float) -> None:
+        ticket.state = State.INFLIGHT
+        ticket.admitted_at = now
+        ticket.occupancy = self.occupancy()
+        self._inflight[ticket.lane][ticket.id] = ticket
+        heapq.heappush(
+            self._leases, (now + self.policy.capacity.max_request_duration, ticket.id, ticket)
+        )
+
+    def _dequeue(self, ticket: Ticket) -> None:
+        if ticket.entry is not None:
+            self._queues[ticket.lane].remove(ticket.entry)
+        self._tickets_by_entry.pop(ticket.id, None)
+
+    def _withdraw(self, ticket: Ticket, reason: Reason, now: float) -> Decision:
+        self._dequeue(ticket)
+        return self._reject(ticket, reason, now)
+
+    def _reject(self, ticket: Ticket, reason: Reason, now: float) -> Decision:
+        ticket.state = State.DONE
+        wait = retry_after(self.drain_time(ticket.lane, now), self.policy.retry_after, self._rng)
+        return Decision(Outcome.REJECTED, ticket, reason, wait)
+
+    def _victim(self, incoming: Lane) -> Ticket | None:
+        for lane in reversed(self._order):
+            if lane.priority >= incoming.priority:
+                return None
+            if lane.evictable and self._queues[lane.name]:
+                worst = self._queues[lane.name].worst()
+                if worst is not None:
+                    return self._tickets_by_entry[worst.id]
+        return None
+
+    def _dispatch(self, now: float) -> list[Decision]:
+        admitted: list[Decision] = []
+        while True:
+            lane = self._next_lane()
+            if lane is None:
+                return admitted
+            entry = self._queues[lane.name].pop()
+            assert entry is not None
+            ticket = self._tickets_by_entry.pop(entry.id)
+            self._admit(ticket, now)
+            admitted.append(Decision(Outcome.ADMITTED, ticket))
+
+    def _next_lane(self) -> Lane | None:
+        borrower: Lane | None = None
+        for lane in self._order:
+            if not self._queues[lane.name] or not self._admissible(lane):
+                continue
+            if self._within_quota(lane):
+                return lane
+            borrower = borrower or lane
+        return borrower

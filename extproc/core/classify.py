@@ -1,0 +1,94 @@
+"""Request facts → lane and tenant.
+
+Only headers the policy lists in ``trusted_headers`` are ever looked at, so a
+client cannot pick its own lane or tenant with a header the policy did not
+choose to trust. Rules are tried in order; the first that matches wins.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from extproc.policy.schema import Match, Policy
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFacts:
+    """What is known about one request before it is decided."""
+
+    method: str
+    path: str
+    headers: Mapping[str, str]
+    """Lower-cased header names; untrusted ones may be present but are never read here."""
+    model: str | None = None
+    prompt_tokens: int = 0
+    max_tokens: int | None = None
+    request_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Classification:
+    lane: str
+    tenant: str
+    rule: str
+    """Name of the matching rule, ``lane_header`` or ``default``."""
+
+
+class Classifier:
+    def __init__(self, policy: Policy) -> None:
+        self._policy = policy
+        self._trusted = frozenset(policy.trusted_headers)
+        self._lanes = frozenset(lane.name for lane in policy.lanes)
+        self._regex = {
+            i: re.compile(rule.match.path_regex)
+            for i, rule in enumerate(policy.classification.rules)
+            if rule.match.path_regex is not None
+        }
+
+    def trusted(self, name: str) -> bool:
+        return name in self._trusted
+
+    def tenant(self, facts: RequestFacts) -> str:
+        tenants = self._policy.tenants
+        if tenants.header:
+            value = facts.headers.get(tenants.header, "").strip()
+            if value:
+                return value[: tenants.max_tenant_length]
+        return tenants.default
+
+    def classify(self, facts: RequestFacts) -> Classification:
+        tenant = self.tenant(facts)
+        cls = self._policy.classification
+        if cls.lane_header:
+            wanted = facts.headers.get(cls.lane_header, "").strip().lower()
+            if wanted in self._lanes:
+                return Classification(wanted, tenant, "lane_header")
+        path = facts.path.split("?", 1)[0]
+        for i, rule in enumerate(cls.rules):
+            if self._matches(i, rule.match, facts, path, tenant):
+                return Classification(rule.lane, tenant, rule.name or f"rules[{i}]")
+        return Classification(cls.default_lane, tenant, "default")
+
+    def _matches(
+        self, index: int, match: Match, facts: RequestFacts, path: str, tenant: str
+    ) -> bool:
+        if match.path is not None and path != match.path:
+            return False
+        if match.path_prefix is not None and not path.startswith(match.path_prefix):
+            return False
+        if match.path_regex is not None and self._regex[index].fullmatch(path) is None:
+            return False
+        if match.methods and facts.method.upper() not in match.methods:
+            return False
+        if match.models and facts.model not in match.models:
+            return False
+        if match.tenants and tenant not in match.tenants:
+            return False
+        for name, values in match.headers.items():
+            # The schema refuses rules on untrusted headers; checking again keeps this
+            # function safe on its own.
+            if name not in self._trusted or facts.headers.get(name) not in values:
+                return False
+        return True

@@ -1,0 +1,48 @@
+"""The small vocabulary every part shares: outcomes and reasons.
+
+Their string values are log fields and metric labels, so they are a public
+interface: add to them, never rename.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Outcome(StrEnum):
+    ADMITTED = "admitted"
+    """Sent upstream (at once or after waiting in the queue)."""
+    QUEUED = "queued"
+    """Held in a lane's queue until a slot frees."""
+    REJECTED = "rejected"
+    """Answered by extproc itself (429 or 503); never reached the backend."""
+    CANCELLED = "cancelled"
+    """The client went away while the request was queued."""
+
+
+class Reason(StrEnum):
+    QUEUE_FULL = "queue_full"
+    DEADLINE_UNMEETABLE = "deadline_unmeetable"
+    DEADLINE_EXPIRED = "deadline_expired"
+    EVICTED = "evicted"
+    LANE_CLOSED = "lane_closed"
+    DRAINING = "draining"
+
+    @property
+    def http_status(self) -> int:
+        """429 asks the client to come back later; 503 says this replica is going away."""
+        return 503 if self is Reason.DRAINING else 429
+
+    @property
+    def message(self) -> str:
+        return _MESSAGES[self]
+
+
+_MESSAGES = {
+    Reason.QUEUE_FULL: "The inference queue for this lane is full.",
+    Reason.DEADLINE_UNMEETABLE: "The request could not start within its lane's deadline.",
+    Reason.DEADLINE_EXPIRED: "The request waited in the queue past its lane's deadline.",
+    Reason.EVICTED: "The queued request was dropped to make room for higher-priority work.",
+    Reason.LANE_CLOSED: "This lane is closed by policy.",
+    Reason.DRAINING: "This admission controller is shutting down.",
+}

@@ -1,0 +1,95 @@
+"""Cheap completion-time estimate that learns from observed service times.
+
+How this works: a request's service time is modelled as
+
+    overhead + prompt_tokens × prefill_cost + output_tokens × decode_cost × slowdown
+
+where ``output_tokens`` is the request's ``max_tokens`` (or the policy default),
+and ``slowdown = 1 + occupancy_slowdown × occupancy`` reflects that a batching
+engine's per-token latency grows with the number of running sequences. The
+policy gives priors per model; each observed service time updates an EWMA of
+that model's decode cost per *requested* output token (normalised by the
+slowdown it ran under). Requests that stop before ``max_tokens`` pull the
+learned cost down, which is exactly the correction an upper bound needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from extproc.policy.schema import Estimation, ModelCost
+
+#: One observation moves the estimate by at most this factor (guards against outliers).
+_MAX_STEP = 4.0
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """The parts of a request that its service time depends on."""
+
+    model: str | None
+    prompt_tokens: int
+    output_tokens: int
+
+
+class Estimator:
+    def __init__(self, config: Estimation) -> None:
+        self._config = config
+        self._learned: dict[str, float] = {}
+        self._samples: dict[str, int] = {}
+
+    def reconfigure(self, config: Estimation) -> None:
+        """Take new priors; what was learned is kept."""
+        self._config = config
+
+    def job(self, model: str | None, prompt_chars: int, prompt_tokens: int | None,
+            max_tokens: int | None) -> Job:
+        tokens = prompt_tokens if prompt_tokens is not None else round(
+            prompt_chars / self._config.chars_per_token
+        )
+        output = max_tokens if max_tokens is not None else self._config.default_max_tokens
+        return Job(model, max(0, tokens), max(1, output))
+
+    def _key(self, model: str | None) -> str:
+        return model if model is not None and model in self._config.models else "*"
+
+    def _cost(self, model: str | None) -> ModelCost:
+        return self._config.models.get(model or "", self._config.default)
+
+    def decode_ms_per_token(self, model: str | None) -> float:
+        """Current decode cost per requested token at zero occupancy (learned or prior)."""
+        key = self._key(model)
+        learned = self._learned.get(key)
+        return learned if learned is not None else self._cost(model).decode_ms_per_token
+
+    def slowdown(self, occupancy: float) -> float:
+        return 1.0 + self._config.occupancy_slowdown * min(max(occupancy, 0.0), 1.0)
+
+    def predict(self, job: Job, occupancy: float) -> float:
+        """Predicted service time in seconds at the given occupancy (0 idle … 1 full)."""
+        cost = self._cost(job.model)
+        ms = (
+            cost.overhead_ms
+            + job.prompt_tokens * cost.prefill_ms_per_token
+            + job.output_tokens * self.decode_ms_per_token(job.model) * self.slowdown(occupancy)
+        )
+        return ms / 1000.0
+
+    def observe(self, job: Job, occupancy: float, service_s: float) -> None:
+        """Learn from one finished request's observed service time."""
+        alpha = self._config.learning_rate
+        if alpha <= 0 or service_s <= 0:
+            return
+        # Keys are the policy's model names plus "*": clients cannot grow this state.
+        key = self._key(job.model)
+        cost = self._cost(job.model)
+        decode_ms = service_s * 1000.0 - cost.overhead_ms - job.prompt_tokens * cost.prefill_ms_per_token
+        sample = max(decode_ms, 0.0) / (job.output_tokens * self.slowdown(occupancy))
+        current = self.decode_ms_per_token(job.model)
+        sample = min(max(sample, current / _MAX_STEP), current * _MAX_STEP)
+        self._learned[key] = (1 - alpha) * current + alpha * sample
+        self._samples[key] = self._samples.get(key, 0) + 1
+
+    def learned(self) -> dict[str, tuple[float, int]]:
+        """Per model key: (decode ms per requested token, observations)."""
+        return {k: (v, self._samples[k]) for k, v in self._learned.items()}

@@ -1,0 +1,141 @@
+"""One lane's queue: weighted fair sharing between tenants, slack-weighted SJF within each.
+
+How this works: each entry gets a fixed *rank* when it is queued,
+
+    rank = arrival + min(sjf_weight × predicted_service, time_to_deadline)
+
+— a virtual start deadline. Ordering by rank is shortest-job-first among
+requests that arrived close together, but a request can only be overtaken by
+later arrivals whose rank is smaller, and every later arrival has rank ≥ its
+arrival time: once the clock passes an entry's rank, nothing new can jump
+ahead of it. That bounds starvation (a long job waits at most its rank offset
+plus the time to drain what was already ahead). Jobs close to their deadline
+rank by the deadline itself, earliest first. Because ranks never change, a
+heap per tenant suffices.
+
+Between tenants the queue is start-time fair: each tenant carries a virtual
+time that advances by ``predicted_service / weight`` whenever one of its
+entries is served, and the backlogged tenant with the smallest virtual time is
+served next. A tenant that was idle rejoins at the current virtual time, so it
+cannot save up credit. Shares are therefore proportional to weights in
+predicted GPU-seconds, not in request counts.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+#: Smallest cost a served entry charges its tenant (keeps zero-size jobs fair).
+_MIN_COST = 1e-3
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    id: int
+    tenant: str
+    arrival: float
+    deadline: float
+    predicted: float
+    rank: float
+    queued: bool = True
+
+
+def rank_of(arrival: float, deadline: float, predicted: float, sjf_weight: float) -> float:
+    return arrival + min(sjf_weight * predicted, max(deadline - arrival, 0.0))
+
+
+@dataclass(slots=True)
+class _Tenant:
+    vtime: float
+    heap: list[tuple[float, int, Entry]] = field(default_factory=list)
+    size: int = 0
+
+    def head(self) -> Entry | None:
+        while self.heap and not self.heap[0][2].queued:
+            heapq.heappop(self.heap)
+        return self.heap[0][2] if self.heap else None
+
+
+class LaneQueue:
+    def __init__(self, weight: Callable[[str], float]) -> None:
+        self._weight = weight
+        self._tenants: dict[str, _Tenant] = {}
+        self._vtime = 0.0
+        self._size = 0
+        self._work = 0.0
+
+    def __len__(self) -> int:
+        return self._size
+
+    @property
+    def work(self) -> float:
+        """Sum of queued entries' predicted service, in seconds."""
+        return self._work if self._size else 0.0
+
+    def push(self, entry: Entry) -> None:
+        tenant = self._tenants.get(entry.tenant)
+        if tenant is None:
+            tenant = self._tenants[entry.tenant] = _Tenant(vtime=self._vtime)
+        heapq.heappush(tenant.heap, (entry.rank, entry.id, entry))
+        tenant.size += 1
+        self._size += 1
+        self._work += entry.predicted
+
+    def peek(self) -> Entry | None:
+        """The entry that would be served next."""
+        best: tuple[float, float, int] | None = None
+        chosen: Entry | None = None
+        for tenant in self._tenants.values():
+            head = tenant.head()
+            if head is None:
+                continue
+            key = (tenant.vtime, head.rank, head.id)
+            if best is None or key < best:
+                best, chosen = key, head
+        return chosen
+
+    def pop(self) -> Entry | None:
+        entry = self.peek()
+        if entry is None:
+            return None
+        tenant = self._tenants[entry.tenant]
+        self._vtime = max(self._vtime, tenant.vtime)
+        tenant.vtime += max(entry.predicted, _MIN_COST) / self._weight(entry.tenant)
+        self._take(entry, tenant)
+        return entry
+
+    def remove(self, entry: Entry) -> bool:
+        """Withdraw a queued entry (client gone, deadline passed, evicted)."""
+        tenant = self._tenants.get(entry.tenant)
+        if not entry.queued or tenant is None:
+            return False
+        self._take(entry, tenant)
+        return True
+
+    def _take(self, entry: Entry, tenant: _Tenant) -> None:
+        entry.queued = False
+        tenant.size -= 1
+        self._size -= 1
+        self._work -= entry.predicted
+        if tenant.size == 0:
+            # An idle tenant rejoins at the current virtual time: no saved-up credit.
+            del self._tenants[entry.tenant]
+
+    def entries(self) -> Iterator[Entry]:
+        for tenant in self._tenants.values():
+            for _, _, entry in tenant.heap:
+                if entry.queued:
+                    yield entry
+
+    def work_ahead(self, rank: float) -> float:
+        """Predicted work queued with a better rank than ``rank`` (an estimate of what is ahead)."""
+        return sum(e.predicted for e in self.entries() if e.rank <= rank)
+
+    def worst(self) -> Entry | None:
+        """The entry with the worst rank: the one to evict first."""
+        return max(self.entries(), key=lambda e: (e.rank, e.id), default=None)
+
+    def tenants(self) -> dict[str, int]:
+        return {name: t.size for name, t in self._tenants.items()}

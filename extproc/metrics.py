@@ -1,0 +1,86 @@
+"""Every Prometheus metric extproc exports, on an injected registry.
+
+The names are a public interface (alerts and autoscalers are built on them):
+add new ones, never rename. Gauges of current state (pending, in flight,
+limits) are computed at scrape time from the scheduler, so the request path
+pays nothing for them and they can never drift from the truth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from extproc.core.admission import LaneView
+
+#: Resolves both sub-second waits and multi-second ones up to the longest hold.
+WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+SERVICE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class _StateCollector(Collector):
+    def __init__(self, lanes: Callable[[], Mapping[str, LaneView]], draining: Callable[[], bool]) -> None:
+        self._lanes = lanes
+        self._draining = draining
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        pending = GaugeMetricFamily(
+            "inference_pending_requests", "Requests waiting in extproc's queue, by lane.", labels=["lane"]
+        )
+        inflight = GaugeMetricFamily(
+            "inference_inflight_requests", "Requests admitted and not yet finished, by lane.",
+            labels=["lane"],
+        )
+        limit = GaugeMetricFamily(
+            "inference_inflight_limit", "The lane's own in-flight limit (borrowing may exceed it).",
+            labels=["lane"],
+        )
+        borrowed = GaugeMetricFamily(
+            "inference_borrowed_slots", "In-flight requests above the lane's own limit, on idle slots "
+            "of other lanes.", labels=["lane"],
+        )
+        for name, view in self._lanes().items():
+            pending.add_metric([name], view.queued)
+            inflight.add_metric([name], view.inflight)
+            limit.add_metric([name], view.limit)
+            borrowed.add_metric([name], view.borrowed)
+        yield from (pending, inflight, limit, borrowed)
+        yield GaugeMetricFamily(
+            "extproc_draining", "1 while this replica is shutting down and admits nothing.",
+            value=1.0 if self._draining() else 0.0,
+        )
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.queue_wait = Histogram(
+            "inference_queue_wait_seconds", "Time from arrival to admission, by lane.", ["lane"],
+            buckets=WAIT_BUCKETS, registry=registry,
+        )
+        self.service_time = Histogram(
+            "inference_service_seconds", "Time from admission until the request finished, by lane.",
+            ["lane"], buckets=SERVICE_BUCKETS, registry=registry,
+        )
+        self.decisions = Counter(
+            "inference_admission_decisions", "Admission decisions by lane and outcome.",
+            ["lane", "outcome"], registry=registry,
+        )
+        self.rejections = Counter(
+            "inference_admission_rejections", "Requests answered by extproc itself, by lane and reason.",
+            ["lane", "reason"], registry=registry,
+        )
+        self.stream_errors = Counter(
+            "extproc_stream_errors", "ext_proc streams that ended abnormally, by kind.", ["kind"],
+            registry=registry,
+        )
+        self.slots_reclaimed = Counter(
+            "extproc_slots_reclaimed", "Slots reclaimed by the lease backstop (their stream never ended).",
+            registry=registry,
+        )
+
+    def watch(self, lanes: Callable[[], Mapping[str, LaneView]], draining: Callable[[], bool]) -> None:
+        self.registry.register(_StateCollector(lanes, draining))

@@ -1,0 +1,309 @@
+"""The policy file's schema: typed, immutable, validated when it is loaded.
+
+Every model forbids unknown keys and is frozen, so a policy that loaded is a
+policy the rest of the code can trust without re-checking. Cross-field rules
+(unknown lane names, untrusted headers, limits that cannot hold together) are
+checked here too, so that `extproc policy check` reports all of them at once.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)\s*$")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+_NAME = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
+_HTTP_METHODS = {"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"}
+
+
+def _parse_duration(value: object) -> object:
+    """Accept 250ms, 10s, 2m, 1h or a bare number of seconds."""
+    if isinstance(value, bool):
+        raise ValueError("expected a duration such as 250ms, 10s or 2m")
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str):
+        match = _DURATION.match(value)
+        if match is None:
+            raise ValueError(f"expected a duration such as 250ms, 10s or 2m, got {value!r}")
+        return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+    raise ValueError("expected a duration such as 250ms, 10s or 2m")
+
+
+#: Seconds, written in the file as ``250ms``, ``10s``, ``2m`` or a plain number.
+Duration = Annotated[float, BeforeValidator(_parse_duration)]
+HeaderName = Annotated[str, Field(pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$", max_length=128)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
+
+
+class Lane(_Strict):
+    """A class of traffic with its own slots, queue and deadline."""
+
+    name: Annotated[str, Field(pattern=_NAME)]
+    priority: Annotated[int, Field(ge=0, le=1000)] = 0
+    max_inflight: Annotated[int, Field(ge=1, le=100_000)]
+    max_queued: Annotated[int, Field(ge=0, le=1_000_000)] = 0
+    deadline: Annotated[Duration, Field(gt=0)]
+    """Longest a request of this lane may wait in the queue before it is admitted."""
+    borrow: bool = False
+    """May use other lanes' idle slots beyond its own max_inflight."""
+    max_borrow: Annotated[int | None, Field(ge=0)] = None
+    """Cap on borrowed slots (None: as many as are idle)."""
+    evictable: bool = False
+    """Its queued requests may be dropped to make room for higher-priority lanes."""
+    closed: bool = False
+    """A closed lane rejects every request (reason lane_closed)."""
+
+
+class Match(_Strict):
+    """Conditions of a rule; all given conditions must hold (an empty match always holds)."""
+
+    path: str | None = None
+    path_prefix: str | None = None
+    path_regex: str | None = None
+    methods: tuple[str, ...] = ()
+    headers: dict[HeaderName, tuple[str, ...]] = Field(default_factory=dict)
+    models: tuple[str, ...] = ()
+    tenants: tuple[str, ...] = ()
+
+    @field_validator("headers", mode="before")
+    @classmethod
+    def _header_values(cls, value: object) -> object:
+        if isinstance(value, dict):
+            return {
+                str(k).lower(): (v,) if isinstance(v, str) else v for k, v in value.items()
+            }
+        return value
+
+    @field_validator("methods")
+    @classmethod
+    def _methods(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        upper = tuple(m.upper() for m in value)
+        unknown = sorted(set(upper) - _HTTP_METHODS)
+        if unknown:
+            raise ValueError(f"unknown HTTP method(s) {unknown}; expected some of {sorted(_HTTP_METHODS)}")
+        return upper
+
+    @field_validator("path_regex")
+    @classmethod
+    def _regex(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                re.compile(value)
+            except re.error as exc:
+                raise ValueError(f"not a valid regular expression: {exc}") from exc
+        return value
+
+
+class Rule(_Strict):
+    name: Annotated[str, Field(pattern=_NAME)] | None = None
+    match: Match = Field(default_factory=Match)
+    lane: str
+
+
+class Classification(_Strict):
+    default_lane: str
+    lane_header: HeaderName | None = None
+    """A trusted header whose value names the lane directly (checked before the rules)."""
+    rules: tuple[Rule, ...] = ()
+
+    @field_validator("lane_header")
+    @classmethod
+    def _lower(cls, value: str | None) -> str | None:
+        return value.lower() if value else value
+
+
+class Tenants(_Strict):
+    header: HeaderName | None = None
+    """Header naming the tenant; it must be set by something you trust (listed in trusted_headers)."""
+    default: Annotated[str, Field(min_length=1, max_length=128)] = "default"
+    weights: dict[str, Annotated[float, Field(gt=0, le=1_000_000)]] = Field(default_factory=dict)
+    default_weight: Annotated[float, Field(gt=0, le=1_000_000)] = 1.0
+    max_tenant_length: Annotated[int, Field(ge=1, le=1024)] = 128
+
+    @field_validator("header")
+    @classmethod
+    def _lower(cls, value: str | None) -> str | None:
+        return value.lower() if value else value
+
+
+class ModelCost(_Strict):
+    """Prior for a model's service time; learning refines decode cost from observations."""
+
+    prefill_ms_per_token: Annotated[float, Field(ge=0)] = 0.05
+    decode_ms_per_token: Annotated[float, Field(gt=0)] = 15.0
+    overhead_ms: Annotated[float, Field(ge=0)] = 20.0
+
+
+class Estimation(_Strict):
+    read_body: Literal["auto", "always", "never"] = "auto"
+    """auto: read the JSON body only when a rule matches on models or costs differ per model."""
+    max_body_bytes: Annotated[int, Field(ge=1024, le=64 * 1024 * 1024)] = 1024 * 1024
+    chars_per_token: Annotated[float, Field(gt=0, le=64)] = 4.0
+    default_max_tokens: Annotated[int, Field(ge=1, le=10_000_000)] = 256
+    model_header: HeaderName | None = None
+    default: ModelCost = Field(default_factory=ModelCost)
+    models: dict[str, ModelCost] = Field(default_factory=dict)
+    learning_rate: Annotated[float, Field(ge=0, le=1)] = 0.1
+    """Weight of each observation in the per-model EWMA of per-token cost (0 disables learning)."""
+    occupancy_slowdown: Annotated[float, Field(ge=0, le=100)] = 1.0
+    """Decode cost grows by this factor times the occupied share of capacity (batching slows tokens)."""
+
+    @field_validator("model_header")
+    @classmethod
+    def _lower(cls, value: str | None) -> str | None:
+        return value.lower() if value else value
+
+
+class Queueing(_Strict):
+    sjf_weight: Annotated[float, Field(ge=0, le=1000)] = 4.0
+    """A queued request's rank is arrival + min(sjf_weight × predicted service, deadline).
+
+    Short jobs overtake long ones, but never by more than sjf_weight times the long
+    job's predicted service time: this bounds starvation. 0 gives FIFO.
+    """
+
+
+class Capacity(_Strict):
+    max_inflight: Annotated[int | None, Field(ge=1)] = None
+    """Slots in all (default: the sum of the lanes' max_inflight)."""
+    max_queued: Annotated[int | None, Field(ge=0)] = None
+    """Queued requests in all; when full, evictable lanes lose their worst entry to higher lanes."""
+    max_request_duration: Annotated[Duration, Field(gt=0)] = 3600.0
+    """Backstop: a slot held longer than this is reclaimed even if its stream never ended."""
+    max_hold: Annotated[Duration, Field(gt=0, le=3600)] = 300.0
+    """Must equal the ext_proc filter's max_message_timeout: no lane may hold longer."""
+
+
+class RetryAfter(_Strict):
+    min: Annotated[Duration, Field(ge=1, le=60)] = 1.0
+    max: Annotated[Duration, Field(ge=1, le=60)] = 30.0
+    jitter: Annotated[float, Field(ge=0, le=1)] = 0.2
+
+    @model_validator(mode="after")
+    def _ordered(self) -> RetryAfter:
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min:g}s) must not exceed max ({self.max:g}s)")
+        return self
+
+
+class Policy(_Strict):
+    version: Literal[1] = 1
+    lanes: Annotated[tuple[Lane, ...], Field(min_length=1)]
+    classification: Classification
+    trusted_headers: tuple[HeaderName, ...] = ()
+    """Request headers the policy may act on. Anything else a client sends cannot pick a lane."""
+    tenants: Tenants = Field(default_factory=Tenants)
+    estimation: Estimation = Field(default_factory=Estimation)
+    queueing: Queueing = Field(default_factory=Queueing)
+    capacity: Capacity = Field(default_factory=Capacity)
+    retry_after: RetryAfter = Field(default_factory=RetryAfter)
+
+    @field_validator("trusted_headers")
+    @classmethod
+    def _lower(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(v.lower() for v in value)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Policy:
+        problems: list[str] = []
+        names = [lane.name for lane in self.lanes]
+        seen: set[str] = set()
+        for i, name in enumerate(names):
+            if name in seen:
+                problems.append(f"lanes[{i}].name: duplicate lane name {name!r}")
+            seen.add(name)
+        known = f"one of {sorted(seen)}"
+        if self.classification.default_lane not in seen:
+            problems.append(
+                f"classification.default_lane: unknown lane "
+                f"{self.classification.default_lane!r}, expected {known}"
+            )
+        trusted = set(self.trusted_headers)
+        for i, rule in enumerate(self.classification.rules):
+            if rule.lane not in seen:
+                problems.append(
+                    f"classification.rules[{i}].lane: unknown lane {rule.lane!r}, expected {known}"
+                )
+            for header in rule.match.headers:
+                if header not in trusted:
+                    problems.append(
+                        f"classification.rules[{i}].match.headers.{header}: header is not in "
+                        f"trusted_headers; a client could choose its own lane with it"
+                    )
+        lane_header = self.classification.lane_header
+        if lane_header and lane_header not in trusted:
+            problems.append(
+                f"classification.lane_header: {lane_header!r} is not in trusted_headers; "
+                f"a client could choose its own lane with it"
+            )
+        if self.tenants.header and self.tenants.header not in trusted:
+            problems.append(
+                f"tenants.header: {self.tenants.header!r} is not in trusted_headers; "
+                f"list it there once your gateway sets it (clients could claim any tenant)"
+            )
+        total = sum(lane.max_inflight for lane in self.lanes)
+        capacity = self.capacity.max_inflight
+        for i, lane in enumerate(self.lanes):
+            if capacity is not None and lane.max_inflight > capacity:
+                problems.append(
+                    f"lanes[{i}].max_inflight: {lane.max_inflight} exceeds "
+                    f"capacity.max_inflight ({capacity})"
+                )
+            if lane.deadline >= self.capacity.max_hold:
+                problems.append(
+                    f"lanes[{i}].deadline: {lane.deadline:g}s must be below capacity.max_hold "
+                    f"({self.capacity.max_hold:g}s, Envoy's max_message_timeout)"
+                )
+            if lane.max_borrow is not None and not lane.borrow:
+                problems.append(f"lanes[{i}].max_borrow: set but lane.borrow is false")
+        if capacity is not None and capacity > total and not any(lane.borrow for lane in self.lanes):
+            problems.append(
+                f"capacity.max_inflight: {capacity} exceeds the lanes' total ({total}) but no lane "
+                f"may borrow, so the extra slots could never be used"
+            )
+        if problems:
+            # One problem per line: the loader splits them back into separate errors.
+            raise ValueError("\n".join(problems))
+        return self
+
+    def lane(self, name: str) -> Lane:
+        for lane in self.lanes:
+            if lane.name == name:
+                return lane
+        raise KeyError(name)
+
+    @property
+    def total_capacity(self) -> int:
+        if self.capacity.max_inflight is not None:
+            return self.capacity.max_inflight
+        return sum(lane.max_inflight for lane in self.lanes)
+
+    @property
+    def needs_body(self) -> bool:
+        """Whether requests' JSON bodies should be read (model, max_tokens, prompt size).
+
+        In auto mode the body is read when something uses what it says: shortest-job-first
+        ordering, per-model costs, or rules that match on the model.
+        """
+        mode = self.estimation.read_body
+        if mode != "auto":
+            return mode == "always"
+        return (
+            self.queueing.sjf_weight > 0
+            or bool(self.estimation.models)
+            or any(rule.match.models for rule in self.classification.rules)
+        )

@@ -1,0 +1,1 @@
+"""Thin network adapters: ext_proc gRPC, HTTP (metrics, health)."""

@@ -1,0 +1,37 @@
+"""Process settings (ports, paths, logging), from command-line flags with environment fallbacks."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Address:
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, text: str) -> Address:
+        host, sep, port = text.rpartition(":")
+        if not sep or not port.isdigit() or not host:
+            raise ValueError(f"expected HOST:PORT, got {text!r}")
+        return cls(host.strip("[]"), int(port))
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class Settings:
+    policy: str
+    grpc: Address = Address("127.0.0.1", 50051)
+    http: Address = Address("127.0.0.1", 9090)
+    log_format: str = "json"
+    log_level: str = "info"
+    shutdown_grace_s: float = 30.0
+    seed: int | None = None
+
+
+def env(name: str, default: str) -> str:
+    return os.environ.get(f"EXTPROC_{name}", default)

@@ -1,0 +1,86 @@
+"""Real processes on loopback: an upstream, extproc (`extproc serve`) and Envoy."""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from extproc.localstack import Stack, envoy_config, free_port, stack
+
+UPSTREAM = Path(__file__).with_name("upstream.py")
+
+
+@dataclass
+class Env:
+    stack: Stack
+    url: str
+    metrics_url: str
+    upstream_url: str
+    extproc_grpc: int
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Current value of one sample from extproc's /metrics (0 if absent)."""
+        text = httpx.get(self.metrics_url, timeout=5).text
+        want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+        for line in text.splitlines():
+            match = re.match(r"^([a-zA-Z_:][\w:]*)(?:\{(.*)\})? (\S+)$", line)
+            if not match or match.group(1) != name:
+                continue
+            got = ",".join(sorted((match.group(2) or "").split(","))) if match.group(2) else ""
+            if got == want:
+                return float(match.group(3))
+        return 0.0
+
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        """Wait until no lane has anything queued or in flight."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = httpx.get(self.metrics_url, timeout=5).text
+            busy = [line for line in text.splitlines()
+                    if line.startswith(("inference_pending_requests{", "inference_inflight_requests{"))
+                    and not line.endswith(" 0.0")]
+            if not busy:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"extproc still busy after {timeout}s: {busy}")
+
+
+def start_env(workdir: Path, policy: Path, *, extproc_args: tuple[str, ...] = (),
+              tweak: Callable[[dict[str, Any]], None] | None = None) -> tuple[Stack, Env]:
+    s = Stack(workdir)
+    try:
+        upstream = free_port()
+        s.start("upstream", [sys.executable, str(UPSTREAM), str(upstream)])
+        from extproc.localstack import wait_http
+
+        wait_http(f"http://127.0.0.1:{upstream}/stats", proc=s.processes[-1].popen)
+        grpc, http = free_port(), free_port()
+        s.extproc(policy, grpc, http, "--seed", "7", "--log-format", "json", *extproc_args)
+        listen, admin = free_port(), free_port()
+        s.envoy(envoy_config(listen, admin, upstream, grpc, tweak=tweak))
+    except BaseException:
+        s.stop()
+        raise
+    return s, Env(s, f"http://127.0.0.1:{listen}", f"http://127.0.0.1:{http}/metrics",
+                  f"http://127.0.0.1:{upstream}", grpc)
+
+
+@pytest.fixture
+def make_env(tmp_path: Path) -> Iterator[Callable[..., Env]]:
+    """Start a whole stack for one test with the given policy text."""
+    with stack(tmp_path) as holder:
+        def make(policy_text: str, **kwargs: Any) -> Env:
+            policy = tmp_path / f"policy{len(holder.processes)}.yaml"
+            policy.write_text(policy_text)
+            s, env = start_env(tmp_path, policy, **kwargs)
+            holder.processes.extend(s.processes)
+            return env
+        yield make

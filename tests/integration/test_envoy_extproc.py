@@ -1,0 +1,290 @@
+"""extproc behind a real Envoy, in front of a real upstream, all over loopback."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.integration.conftest import Env, start_env
+
+pytestmark = pytest.mark.envoy
+
+POLICY = """
+version: 1
+lanes:
+  - name: interactive
+    priority: 100
+    max_inflight: 1
+    max_queued: 2
+    deadline: 6s
+  - name: tight
+    priority: 50
+    max_inflight: 1
+    max_queued: 10
+    deadline: 1s
+  - name: best-effort
+    max_inflight: 4
+    max_queued: 4
+    deadline: 2s
+capacity: {max_hold: 60s}
+trusted_headers: [x-tenant-id]
+classification:
+  default_lane: best-effort
+  rules:
+    - {match: {path_prefix: /interactive}, lane: interactive}
+    - {match: {path_prefix: /tight}, lane: tight}
+tenants: {header: x-tenant-id, default: anon}
+estimation:
+  default: {prefill_ms_per_token: 0, decode_ms_per_token: 1, overhead_ms: 10}
+  default_max_tokens: 100
+  learning_rate: 0
+  occupancy_slowdown: 0
+"""
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    workdir = tmp_path_factory.mktemp("stack")
+    policy = workdir / "policy.yaml"
+    policy.write_text(POLICY)
+    stack, environment = start_env(workdir, policy)
+    try:
+        yield environment
+    finally:
+        stack.stop()
+
+
+@pytest.fixture(autouse=True)
+def _idle_between_tests(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    if "env" in request.fixturenames:
+        request.getfixturevalue("env").wait_idle()
+
+
+def chat(max_tokens: int = 10, **extra: object) -> dict[str, object]:
+    return {"model": "m", "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": "hi"}], **extra}
+
+
+def post(env: Env, path: str, body: object = None, *, delay_ms: int = 0, timeout: float = 30,
+         headers: dict[str, str] | None = None) -> httpx.Response:
+    h = {"x-test-delay-ms": str(delay_ms), **(headers or {})}
+    return httpx.post(env.url + path, json=chat() if body is None else body, headers=h, timeout=timeout)
+
+
+def test_admit_adds_headers_upstream(env: Env) -> None:
+    r = post(env, "/interactive/v1/chat/completions", headers={"x-tenant-id": "acme"})
+    assert r.status_code == 200
+    seen = r.json()["headers"]
+    assert seen["x-extproc-lane"] == "interactive"
+    assert seen["x-extproc-tenant"] == "acme"
+    assert seen["x-extproc-queue-ms"] == "0"
+    # 10 ms overhead + 10 requested tokens x 1 ms, from the policy's prior.
+    assert seen["x-extproc-predicted-ms"] == "20"
+    assert env.metric("inference_admission_decisions_total", lane="interactive", outcome="admitted") >= 1
+
+
+def test_second_request_is_held_then_served_with_queue_time(env: Env) -> None:
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(post, env, "/interactive/a", delay_ms=1500)
+        time.sleep(0.3)
+        second = pool.submit(post, env, "/interactive/b")
+        time.sleep(0.4)
+        assert env.metric("inference_pending_requests", lane="interactive") == 1
+        assert env.metric("inference_inflight_requests", lane="interactive") == 1
+        r1, r2 = first.result(), second.result()
+    assert r1.status_code == 200
+    assert r2.status_code == 200
+    queued_ms = int(r2.json()["headers"]["x-extproc-queue-ms"])
+    assert 900 <= queued_ms <= 3000
+    assert env.metric("inference_queue_wait_seconds_count", lane="interactive") >= 2
+
+
+def test_hold_longer_than_message_timeout_succeeds(env: Env) -> None:
+    # Envoy's message_timeout is 1 s: this request waits ~2.5 s for its slot.
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(post, env, "/interactive/a", delay_ms=2800)
+        time.sleep(0.3)
+        second = pool.submit(post, env, "/interactive/b")
+        r1, r2 = first.result(), second.result()
+    assert r1.status_code == 200
+    assert r2.status_code == 200, r2.text
+    assert int(r2.json()["headers"]["x-extproc-queue-ms"]) >= 2000
+
+
+def test_queue_full_gives_429_with_retry_after_and_json(env: Env) -> None:
+    with ThreadPoolExecutor(4) as pool:
+        busy = pool.submit(post, env, "/interactive/a", delay_ms=1500)
+        time.sleep(0.3)
+        queued = [pool.submit(post, env, "/interactive/q") for _ in range(2)]
+        time.sleep(0.4)
+        r = post(env, "/interactive/over")
+        for f in [busy, *queued]:
+            assert f.result().status_code == 200
+    assert r.status_code == 429
+    assert 1 <= int(r.headers["retry-after"]) <= 30
+    assert r.headers["x-extproc-reason"] == "queue_full"
+    error = r.json()["error"]
+    assert error["code"] == "queue_full"
+    assert error["type"] == "rate_limit_exceeded"
+    assert "Retry after" in error["message"]
+    assert env.metric("inference_admission_rejections_total", lane="interactive", reason="queue_full") >= 1
+
+
+def test_unmeetable_deadline_rejected_at_once(env: Env) -> None:
+    with ThreadPoolExecutor(2) as pool:
+        # Predicted 5 s of work in the only slot of a lane whose deadline is 1 s.
+        busy = pool.submit(post, env, "/tight/a", chat(max_tokens=5000), delay_ms=1500)
+        time.sleep(0.3)
+        started = time.monotonic()
+        r = post(env, "/tight/b")
+        elapsed = time.monotonic() - started
+        assert busy.result().status_code == 200
+    assert r.status_code == 429
+    assert r.headers["x-extproc-reason"] == "deadline_unmeetable"
+    assert elapsed < 0.5
+
+
+def test_deadline_expires_while_queued(env: Env) -> None:
+    with ThreadPoolExecutor(2) as pool:
+        busy = pool.submit(post, env, "/tight/a", delay_ms=2500)
+        time.sleep(0.3)
+        started = time.monotonic()
+        r = post(env, "/tight/b")
+        waited = time.monotonic() - started
+        assert busy.result().status_code == 200
+    assert r.status_code == 429
+    assert r.headers["x-extproc-reason"] == "deadline_expired"
+    assert 0.8 <= waited <= 2.0
+
+
+def test_client_disconnect_while_held_frees_the_entry(env: Env) -> None:
+    with ThreadPoolExecutor(1) as pool:
+        busy = pool.submit(post, env, "/interactive/a", delay_ms=1500)
+        time.sleep(0.3)
+        with pytest.raises(httpx.ReadTimeout):
+            post(env, "/interactive/gone", timeout=0.5)
+        time.sleep(0.3)
+        assert env.metric("inference_pending_requests", lane="interactive") == 0
+        assert busy.result().status_code == 200
+    env.wait_idle()
+    assert env.metric("inference_admission_decisions_total", lane="interactive", outcome="cancelled") >= 1
+    assert post(env, "/interactive/next").status_code == 200
+
+
+def test_upstream_reset_releases_the_slot(env: Env) -> None:
+    r = post(env, "/interactive/reset", delay_ms=100)
+    assert r.status_code in (502, 503)
+    env.wait_idle()
+    assert post(env, "/interactive/after").status_code == 200
+
+
+def test_non_json_and_huge_bodies_do_not_break_anything(env: Env) -> None:
+    r = httpx.post(env.url + "/interactive/x", content=b"\xff not json {", timeout=10)
+    assert r.status_code == 200
+    huge = json.dumps(chat(max_tokens=7, messages=[{"role": "user", "content": "x" * 3_000_000}]))
+    r = httpx.post(env.url + "/interactive/x", content=huge.encode(), timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 200
+    # The whole body reaches the upstream although only its first part was read.
+    assert r.json()["body_bytes"] == len(huge)
+    assert r.json()["headers"]["x-extproc-lane"] == "interactive"
+    deep = b"[" * 200_000
+    assert httpx.post(env.url + "/interactive/x", content=deep, timeout=10).status_code == 200
+
+
+def test_client_chosen_lane_header_is_stripped_and_ignored(env: Env) -> None:
+    r = post(env, "/other", headers={"x-extproc-lane": "interactive", "x-extproc-queue-ms": "999"})
+    seen = r.json()["headers"]
+    assert seen["x-extproc-lane"] == "best-effort"
+    assert seen["x-extproc-queue-ms"] == "0"
+
+
+def test_metrics_and_health(env: Env) -> None:
+    text = httpx.get(env.metrics_url).text
+    for name in ("inference_queue_wait_seconds_bucket", "inference_pending_requests",
+                 "inference_inflight_requests", "inference_admission_decisions_total",
+                 "inference_admission_rejections_total"):
+        assert name in text
+    base = env.metrics_url.rsplit("/", 1)[0]
+    assert httpx.get(base + "/healthz").status_code == 200
+    assert httpx.get(base + "/readyz").status_code == 200
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{env.extproc_grpc}") as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="envoy.service.ext_proc.v3.ExternalProcessor"), timeout=5)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+TRUSTING = POLICY.replace(
+    "trusted_headers: [x-tenant-id]", "trusted_headers: [x-tenant-id, x-extproc-lane]"
+).replace("default_lane: best-effort", "default_lane: best-effort\n  lane_header: x-extproc-lane")
+
+
+def test_trusted_lane_header_is_honoured(tmp_path: Path) -> None:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(TRUSTING)
+    stack, env = start_env(tmp_path, policy)
+    try:
+        r = post(env, "/other", headers={"x-extproc-lane": "interactive"})
+        assert r.json()["headers"]["x-extproc-lane"] == "interactive"
+    finally:
+        stack.stop()
+
+
+def test_shutdown_answers_queued_with_503_and_lets_inflight_finish(tmp_path: Path) -> None:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(POLICY)
+    stack, env = start_env(tmp_path, policy)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            busy = pool.submit(post, env, "/interactive/a", delay_ms=1500)
+            time.sleep(0.3)
+            queued = pool.submit(post, env, "/interactive/b")
+            time.sleep(0.3)
+            extproc = next(p for p in stack.processes if p.name == "extproc")
+            extproc.popen.send_signal(2)
+            r = queued.result()
+            assert r.status_code == 503
+            assert r.headers["x-extproc-reason"] == "draining"
+            assert busy.result().status_code == 200
+        assert extproc.popen.wait(10) == 0
+        assert '"event": "stopped"' in extproc.output()
+    finally:
+        stack.stop()
+
+
+def test_bad_policy_at_start_exits_non_zero_with_a_clear_error(tmp_path: Path) -> None:
+    policy = tmp_path / "bad.yaml"
+    policy.write_text(POLICY.replace("max_inflight: 1", "max_inflight: 0", 1))
+    result = subprocess.run(
+        [sys.executable, "-m", "extproc", "serve", "--policy", str(policy), "--grpc", "127.0.0.1:0",
+         "--http", "127.0.0.1:0"], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2
+    assert f"{policy}:6: lanes[0].max_inflight" in result.stderr
+    assert "greater than or equal to 1" in result.stderr
+
+
+def test_port_in_use_exits_non_zero(tmp_path: Path) -> None:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(POLICY)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "extproc", "serve", "--policy", str(policy), "--grpc", "127.0.0.1:0",
+             "--http", f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 3
+    assert "cannot listen for HTTP" in result.stderr

@@ -1,0 +1,52 @@
+"""A small real upstream for integration tests: echoes what it received, slowly if asked.
+
+Run as ``python tests/integration/upstream.py PORT``. Behaviour per request:
+``x-test-delay-ms`` delays the answer; path ``/reset`` closes the connection without
+answering (an upstream reset); ``/stats`` reports the highest concurrency seen and resets it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from aiohttp import web
+
+state = {"active": 0, "peak": 0, "total": 0}
+
+
+async def echo(request: web.Request) -> web.StreamResponse:
+    if request.path == "/stats":
+        body = dict(state)
+        state["peak"] = state["active"]
+        return web.json_response(body)
+    state["active"] += 1
+    state["total"] += 1
+    state["peak"] = max(state["peak"], state["active"])
+    try:
+        size = len(await request.read())
+        delay = float(request.headers.get("x-test-delay-ms", "0")) / 1000
+        if delay:
+            await asyncio.sleep(delay)
+        if request.path.endswith("/reset"):
+            assert request.transport is not None
+            request.transport.abort()
+            return web.Response(status=500)
+        return web.json_response({
+            "path": request.path_qs,
+            "method": request.method,
+            "headers": {k.lower(): v for k, v in request.headers.items()},
+            "body_bytes": size,
+        })
+    finally:
+        state["active"] -= 1
+
+
+def main() -> None:
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.router.add_route("*", "/{tail:.*}", echo)
+    web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None)
+
+
+if __name__ == "__main__":
+    main()
