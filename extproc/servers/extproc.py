@@ -45,16 +45,24 @@ HEADER_PREFIX = "x-extproc-"
 HOLD_MARGIN_S = 2.0
 _OVERWRITE = HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
 
-#: The processing mode for a request whose body is read: every field spelled out, because
-#: Envoy replaces the whole mode with the override.
-BODY_MODE = ProcessingMode(
-    request_header_mode=ProcessingMode.SEND,
-    response_header_mode=ProcessingMode.SKIP,
-    request_body_mode=ProcessingMode.BUFFERED_PARTIAL,
-    response_body_mode=ProcessingMode.NONE,
-    request_trailer_mode=ProcessingMode.SKIP,
-    response_trailer_mode=ProcessingMode.SEND,
-)
+
+
+def _mode(request_body: ProcessingMode.BodySendMode.ValueType) -> ProcessingMode:
+    # Every field spelled out: Envoy replaces the whole mode with an override.
+    return ProcessingMode(
+        request_header_mode=ProcessingMode.SEND,
+        response_header_mode=ProcessingMode.SKIP,
+        request_body_mode=request_body,
+        response_body_mode=ProcessingMode.NONE,
+        request_trailer_mode=ProcessingMode.SKIP,
+        response_trailer_mode=ProcessingMode.SEND,
+    )
+
+
+#: For a request whose body is read: the first buffered chunk only, so a huge body never stalls.
+BODY_MODE = _mode(ProcessingMode.BUFFERED_PARTIAL)
+#: For a request decided on its headers: whatever the filter's static mode, skip the body.
+NO_BODY_MODE = _mode(ProcessingMode.NONE)
 
 log = structlog.get_logger("extproc.decision")
 
@@ -166,7 +174,8 @@ class _Request:
         if decision.outcome is Outcome.ADMITTED:
             common = self._common(admit=True, decision=decision)
             if phase == "request_headers":
-                yield pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common))
+                yield pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common),
+                                            mode_override=NO_BODY_MODE)
             else:
                 yield pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
         else:
@@ -214,6 +223,12 @@ class _Request:
             controller.release(ticket, learn=not aborted)
         if self.facts is None:
             return
+        if ticket is None and not aborted:
+            # The stream ended normally without a decision: the body we asked for never came,
+            # so the request went upstream unadmitted. Envoy's filter needs allow_mode_override.
+            self.p.controller.metrics.stream_errors.labels("undecided").inc()
+            log.error("request was not decided: set allow_mode_override: true on the ext_proc filter "
+                      "(or request_body_mode: BUFFERED_PARTIAL)", request_id=self.facts.request_id)
         fields: dict[str, Any] = {
             "request_id": self.facts.request_id,
             "lane": self.cls.lane if self.cls else None,

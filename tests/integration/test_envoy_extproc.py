@@ -7,7 +7,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -288,3 +288,32 @@ def test_port_in_use_exits_non_zero(tmp_path: Path) -> None:
              "--http", f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=30)
     assert result.returncode == 3
     assert "cannot listen for HTTP" in result.stderr
+
+
+HEADERS_ONLY = POLICY + "queueing: {sjf_weight: 0}\n"
+
+
+def test_policy_without_body_needs_decides_on_headers(make_env: Callable[..., Env]) -> None:
+    env = make_env(HEADERS_ONLY)
+    body = json.dumps(chat(max_tokens=5000)).encode()
+    r = httpx.post(env.url + "/interactive/x", content=body, timeout=10)
+    seen = r.json()
+    assert r.status_code == 200
+    assert seen["body_bytes"] == len(body)
+    # No body read: the prediction uses default_max_tokens (100), not the body's 5000.
+    assert seen["headers"]["x-extproc-predicted-ms"] == "110"
+    assert env.metric("extproc_stream_errors_total", kind="undecided") == 0
+
+
+LEARNING = POLICY.replace("learning_rate: 0", "learning_rate: 0.5")
+
+
+def test_observed_service_times_teach_the_estimate(make_env: Callable[..., Env]) -> None:
+    env = make_env(LEARNING)
+    first = int(post(env, "/interactive/x").json()["headers"]["x-extproc-predicted-ms"])
+    for _ in range(4):
+        assert post(env, "/interactive/x", delay_ms=400).status_code == 200
+    later = int(post(env, "/interactive/x").json()["headers"]["x-extproc-predicted-ms"])
+    assert first == 20
+    # 400 ms observed for 10 requested tokens: the learned cost moves toward 40 ms/token.
+    assert later >= 150
