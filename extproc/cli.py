@@ -95,6 +95,19 @@ def build_parser() -> argparse.ArgumentParser:
     check = policy_commands.add_parser("check", help="validate policy files; exit 1 if any has problems")
     check.add_argument("files", nargs="+", metavar="FILE")
     check.set_defaults(func=_cmd_policy_check)
+
+    sim = commands.add_parser("sim", help="simulated GPU backend and load generation (no GPU needed)")
+    sim_commands = sim.add_subparsers(dest="sim_command", metavar="ACTION", required=True)
+    backend = sim_commands.add_parser(
+        "backend", help="an OpenAI-compatible server timed like a continuous-batching GPU engine")
+    from extproc.sim import backend as sim_backend
+    from extproc.sim import load as sim_load
+
+    sim_backend.add_arguments(backend)
+    backend.set_defaults(func=sim_backend.run)
+    load = sim_commands.add_parser("load", help="drive a URL with an open-loop workload and report SLOs")
+    sim_load.add_arguments(load)
+    load.set_defaults(func=sim_load.command)
     return parser
 
 

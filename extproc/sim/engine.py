@@ -1,0 +1,374 @@
+"""A continuous-batching inference engine (like vLLM's) as a pure discrete-event model.
+
+How this works: the engine runs in *steps*. At the start of a step the scheduler
+(1) makes sure the KV cache can take one more token for every decoding sequence,
+preempting the newest sequences if not (vLLM's recompute preemption: they lose
+their cache and go back to the head of the waiting queue); (2) gives the step's
+token budget to sequences still prefilling, then admits waiting requests in FIFO
+order while there is a free sequence slot, budget, and KV room for the whole
+prompt plus one block. A step lasts ``step_seconds(batch) + prefilled_tokens ×
+prefill cost`` (times the time scale); at its end every decoding sequence has one
+more token, and a sequence whose prefill completed has its first token.
+
+Between two interesting steps — a prefill, a finish, a KV overflow — the batch
+does not change, so those steps are identical. The engine plans such a *run* of
+steps at once and applies any number of them in O(1): the cost of a simulation
+is per request, not per token, which lets the offline simulator replay 100k
+requests in seconds. Every call takes an explicit ``now``; nothing here reads a
+clock or does I/O, so the same model runs behind the live HTTP backend (asyncio,
+wall clock) and in the what-if simulator (virtual clock).
+
+KV usage is counted in tokens: a running sequence holds its prompt plus the
+tokens generated so far. A decoding sequence's share grows by one token per
+step, so the total is kept as ``fixed + decoding × steps`` and never summed.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass
+
+from extproc.sim.profiles import Profile
+
+
+@dataclass(frozen=True, slots=True)
+class FirstToken:
+    req_id: str
+    time: float
+    ttft: float
+    queue_time: float
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    req_id: str
+    time: float
+    ttft: float
+    e2e: float
+    queue_time: float
+    prompt_tokens: int
+    output_tokens: int
+    preemptions: int
+
+
+Event = FirstToken | Finished
+
+
+class RequestRejected(ValueError):
+    """The engine can never run this request (too long for the model, bad lengths)."""
+
+
+class _Seq:
+    __slots__ = ("arrival", "decoding", "first_token_at", "generated", "kv_base", "output",
+                 "preemptions", "prefill_left", "prompt", "req_id", "scheduled_at", "since_step", "uid")
+
+    def __init__(self, uid: int, req_id: str, prompt: int, output: int, arrival: float) -> None:
+        self.uid = uid
+        self.req_id = req_id
+        self.prompt = prompt
+        self.output = output
+        self.arrival = arrival
+        #: Tokens generated as of step ``since_step`` (decoding) or frozen (otherwise).
+        self.generated = 0
+        self.since_step = 0
+        self.decoding = False
+        self.prefill_left = 0
+        #: This sequence's share of the engine's fixed KV term (see module doc).
+        self.kv_base = 0
+        self.scheduled_at: float | None = None
+        self.first_token_at: float | None = None
+        self.preemptions = 0
+
+
+class Engine:
+    """One model server: ``add`` and ``cancel`` requests, ``advance`` the clock, read the events.
+
+    Drive it with any clock: call ``advance(t)`` at ``t = next_event_time()`` (or any later
+    time) and whenever inputs arrive. ``time_scale`` multiplies every cost in the profile.
+    """
+
+    def __init__(self, profile: Profile, time_scale: float = 1.0) -> None:
+        if time_scale <= 0:
+            raise ValueError("time_scale must be positive")
+        self.profile = profile
+        self.time_scale = time_scale
+        self._prefill_cost = profile.prefill_s_per_token * time_scale
+        self._step_cache: dict[int, float] = {}
+        self._waiting: deque[_Seq] = deque()
+        self._running: dict[int, _Seq] = {}  # admission order: the newest is preempted first
+        self._prefilling: dict[int, _Seq] = {}  # the subset of _running still prefilling
+        self._by_id: dict[str, _Seq] = {}
+        self._finishes: list[tuple[int, int]] = []  # (step count at finish, uid); stale entries skipped
+        self._uids = 0
+        self._steps = 0  # steps completed since the engine started
+        self._kv_fixed = 0
+        self._decoding = 0
+        self._clock = float("-inf")
+        self._busy = False
+        #: A step boundary whose scheduling decision is still open: requests added at exactly
+        #: this time join the step that starts then (a burst at one instant is admitted together).
+        self._decide_at: float | None = None
+        self._step_start = 0.0
+        self._step_len = 0.0
+        self._run_left = 0  # steps left in the current run, the one in progress included
+        self._chunks: list[tuple[_Seq, int]] = []  # prefill work of the step in progress
+        self._pending: list[Event] = []
+        self.preemptions = 0
+
+    # -- state for metrics -------------------------------------------------------------------------
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def kv_tokens(self) -> int:
+        return self._kv_fixed + self._decoding * self._steps
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of the KV cache in use (0..1), as of the last call that took ``now``."""
+        return self.kv_tokens / self.profile.kv_cache_tokens
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self._by_id
+
+    def progress(self, req_id: str) -> int:
+        """Tokens generated so far for an active request (as of the last ``now``)."""
+        seq = self._by_id[req_id]
+        return self._generated(seq)
+
+    def next_event_time(self) -> float | None:
+        """When the engine next needs ``advance``: a step boundary where something may change.
+
+        None when idle. Between now and then nothing is emitted, though ``progress`` and
+        ``kv_usage`` move with every step (``advance`` to any time to read them).
+        """
+        if self._decide_at is not None:
+            return self._decide_at
+        if not self._busy:
+            return None
+        return self._step_start + self._run_left * self._step_len
+
+    # -- inputs ------------------------------------------------------------------------------------
+
+    def add(self, req_id: str, prompt_tokens: int, output_tokens: int, now: float) -> None:
+        """A request arrives; it joins the waiting queue and is scheduled at the next step boundary.
+
+        Events up to ``now`` are kept for the next ``advance``; a step starting at exactly
+        ``now`` is decided by that ``advance``, so add every arrival of an instant first.
+        """
+        if req_id in self._by_id:
+            raise ValueError(f"request {req_id!r} is already in the engine")
+        if prompt_tokens < 1 or output_tokens < 1:
+            raise RequestRejected("prompt and output must each be at least one token")
+        if prompt_tokens + output_tokens > self.profile.max_model_len:
+            raise RequestRejected(
+                f"This model's maximum context length is {self.profile.max_model_len} tokens. However, you "
+                f"requested {prompt_tokens + output_tokens} tokens ({prompt_tokens} in the messages, "
+                f"{output_tokens} in the completion). Please reduce the length of the messages or completion."
+            )
+        self._catch_up(now, inclusive=False)
+        self._uids += 1
+        seq = _Seq(self._uids, req_id, prompt_tokens, output_tokens, now)
+        self._by_id[req_id] = seq
+        was_empty = not self._waiting
+        self._waiting.append(seq)
+        if not self._busy:
+            if self._decide_at is None:
+                self._decide_at = now
+        elif was_empty and len(self._running) < self.profile.max_running:
+            # The batch may have room for it: stop the run after the step in progress. With a
+            # queue already waiting, the head is blocked and this request behind it can't go first.
+            self._run_left = 1
+
+    def cancel(self, req_id: str, now: float) -> bool:
+        """Abort a request (client gone); its slot and KV are free from the next step. False if unknown."""
+        self._catch_up(now, inclusive=False)
+        seq = self._by_id.pop(req_id, None)
+        if seq is None:
+            return False
+        if seq.uid in self._running:
+            self._release(seq)
+            if self._busy:
+                self._run_left = 1
+        else:
+            self._waiting.remove(seq)
+        return True
+
+    def advance(self, now: float) -> list[Event]:
+        """Apply every step that ended by ``now``; return the events since the last call, in order."""
+        self._catch_up(now, inclusive=True)
+        events, self._pending = self._pending, []
+        return events
+
+    # -- the model ---------------------------------------------------------------------------------
+
+    def _catch_up(self, now: float, inclusive: bool) -> None:
+        if now < self._clock:
+            raise ValueError(f"time went backwards: {now} < {self._clock}")
+        self._clock = now
+        while True:
+            if self._decide_at is not None:
+                if now < self._decide_at or (now == self._decide_at and not inclusive):
+                    return
+                at, self._decide_at = self._decide_at, None
+                self._schedule(at)
+            if not self._busy:
+                return
+            run_end = self._step_start + self._run_left * self._step_len
+            if now >= run_end:
+                self._steps += self._run_left
+                self._end_run(run_end)
+                self._busy = False
+                self._decide_at = run_end
+                continue
+            done = int((now - self._step_start) // self._step_len)
+            if done > 0:  # identical decode steps inside the run: skip them all at once
+                done = min(done, self._run_left - 1)
+                self._steps += done
+                self._step_start += done * self._step_len
+                self._run_left -= done
+            return
+
+    def _generated(self, seq: _Seq) -> int:
+        return seq.generated + (self._steps - seq.since_step if seq.decoding else 0)
+
+    def _step_seconds(self, batch: int) -> float:
+        cost = self._step_cache.get(batch)
+        if cost is None:
+            cost = self._step_cache[batch] = self.profile.step_seconds(batch) * self.time_scale
+        return cost
+
+    def _reserve(self, seq: _Seq, decoding: bool) -> None:
+        """Account ``seq`` as running; a decoding sequence's tokens from now on grow with the step count."""
+        seq.decoding = decoding
+        seq.since_step = self._steps
+        seq.kv_base = seq.prompt + seq.generated - (self._steps if decoding else 0)
+        self._kv_fixed += seq.kv_base
+        if decoding:
+            self._decoding += 1
+            heapq.heappush(self._finishes, (self._steps + seq.output - seq.generated, seq.uid))
+
+    def _release(self, seq: _Seq) -> None:
+        """Take ``seq`` out of the batch, freeing its slot and KV; freezes its token count."""
+        seq.generated = self._generated(seq)
+        self._kv_fixed -= seq.kv_base
+        if seq.decoding:
+            self._decoding -= 1
+        seq.decoding = False
+        del self._running[seq.uid]
+        self._prefilling.pop(seq.uid, None)
+
+    def _finish(self, seq: _Seq, now: float) -> None:
+        self._release(seq)
+        del self._by_id[seq.req_id]
+        assert seq.first_token_at is not None
+        assert seq.scheduled_at is not None
+        self._pending.append(Finished(
+            seq.req_id, now, seq.first_token_at - seq.arrival, now - seq.arrival,
+            seq.scheduled_at - seq.arrival, seq.prompt, seq.output, seq.preemptions,
+        ))
+
+    def _end_run(self, now: float) -> None:
+        """The last step of the run ended at ``now``: prefills that completed emit a token; finishes."""
+        chunks, self._chunks = self._chunks, []
+        for seq, n in chunks:
+            if seq.uid not in self._running:  # cancelled during the step
+                continue
+            seq.prefill_left -= n
+            if seq.prefill_left > 0:
+                continue
+            del self._prefilling[seq.uid]
+            self._kv_fixed -= seq.kv_base  # trade the prefill reservation for a decoding one
+            seq.kv_base = 0
+            seq.generated += 1
+            if seq.first_token_at is None:
+                seq.first_token_at = now
+                assert seq.scheduled_at is not None
+                self._pending.append(
+                    FirstToken(seq.req_id, now, now - seq.arrival, seq.scheduled_at - seq.arrival)
+                )
+            if seq.generated >= seq.output:
+                self._finish(seq, now)
+            else:
+                self._reserve(seq, decoding=True)
+        while self._finishes and self._finishes[0][0] <= self._steps:
+            at, uid = heapq.heappop(self._finishes)
+            live = self._live(at, uid)
+            if live is not None:
+                self._finish(live, now)
+
+    def _live(self, at: int, uid: int) -> _Seq | None:
+        """The sequence a finish-heap entry is for, or None if the entry is stale (cancel, preemption)."""
+        seq = self._running.get(uid)
+        if seq is None or not seq.decoding or seq.since_step + seq.output - seq.generated != at:
+            return None
+        return seq
+
+    def _plan_prefill(self) -> tuple[list[tuple[_Seq, int]], int, int]:
+        """Give the step's token budget to sequences already prefilling, oldest first."""
+        budget = self.profile.max_batched_tokens - self._decoding
+        chunks: list[tuple[_Seq, int]] = []
+        completing = 0
+        for seq in self._prefilling.values():
+            if budget <= 0:
+                break
+            n = min(seq.prefill_left, budget)
+            chunks.append((seq, n))
+            budget -= n
+            completing += n == seq.prefill_left
+        return chunks, budget, completing
+
+    def _schedule(self, now: float) -> None:
+        """Plan the next step (or run of identical steps) starting at ``now``."""
+        capacity = self.profile.kv_cache_tokens
+        while True:
+            chunks, budget, completing = self._plan_prefill()
+            growth = self._decoding + completing  # tokens this step adds to the cache
+            if self.kv_tokens + growth <= capacity or not self._running:
+                break
+            victim = self._running[next(reversed(self._running))]
+            self._release(victim)
+            victim.preemptions += 1
+            self.preemptions += 1
+            self._waiting.appendleft(victim)
+        while self._waiting and budget > 0 and len(self._running) < self.profile.max_running:
+            seq = self._waiting[0]
+            context = seq.prompt + seq.generated
+            if self.kv_tokens + growth + context + self.profile.block_size > capacity:
+                break  # FIFO: the head waits for room, and everyone behind it waits too
+            self._waiting.popleft()
+            self._running[seq.uid] = seq
+            self._prefilling[seq.uid] = seq
+            seq.prefill_left = context
+            self._reserve(seq, decoding=False)
+            if seq.scheduled_at is None:
+                seq.scheduled_at = now
+            n = min(context, budget)
+            chunks.append((seq, n))
+            budget -= n
+            growth += n == context
+
+        batch = self._decoding + len(chunks)
+        if batch == 0:
+            self._busy = False
+            return
+        prefilled = sum(n for _, n in chunks)
+        self._busy = True
+        self._chunks = chunks
+        self._step_start = now
+        self._step_len = self._step_seconds(batch) + prefilled * self._prefill_cost
+        if chunks:
+            self._run_left = 1
+            return
+        while self._live(*self._finishes[0]) is None:  # drop stale heads
+            heapq.heappop(self._finishes)
+        to_finish = self._finishes[0][0] - self._steps
+        room = (capacity - self.kv_tokens) // self._decoding
+        self._run_left = max(1, min(to_finish, room))
