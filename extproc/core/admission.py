@@ -152,7 +152,9 @@ class Scheduler:
 
     def drain_time(self, lane: str, now: float) -> float:
         """Estimated seconds until the lane's current backlog has been served."""
-        slots = self._lanes[lane].max_inflight
+        # A lane removed by a reload may still have queued requests to reject.
+        config = self._lanes.get(lane)
+        slots = config.max_inflight if config is not None else 1
         return (self._remaining_work(lane, now) + self._queues[lane].work) / slots
 
     # -- decisions ------------------------------------------------------------------
@@ -220,7 +222,7 @@ class Scheduler:
             _, _, ticket = heapq.heappop(self._leases)
             if ticket.state is State.INFLIGHT:
                 self.reclaimed += 1
-                self.release(ticket, now, learn=False)
+                out.extend(self.release(ticket, now, learn=False))
         out.extend(self._dispatch(now))
         return out
 

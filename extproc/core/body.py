@@ -33,14 +33,20 @@ class BodyFacts:
 
 
 def _text_len(value: Any) -> int:
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, list):
-        return sum(_text_len(v) for v in value)
-    if isinstance(value, dict):
-        # Chat content parts: {"type": "text", "text": "..."}; other parts (images) count 0.
-        return _text_len(value.get("text")) + _text_len(value.get("content"))
-    return 0
+    # A loop, not recursion: the client chooses the nesting depth.
+    total = 0
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            # Chat content parts: {"type": "text", "text": "..."}; other parts (images) count 0.
+            stack.append(item.get("text"))
+            stack.append(item.get("content"))
+    return total
 
 
 def _from_json(doc: dict[str, Any]) -> BodyFacts:

@@ -52,7 +52,7 @@ class Classifier:
 
     def tenant(self, facts: RequestFacts) -> str:
         tenants = self._policy.tenants
-        if tenants.header:
+        if tenants.header and tenants.header in self._trusted:
             value = facts.headers.get(tenants.header, "").strip()
             if value:
                 return value[: tenants.max_tenant_length]
@@ -61,7 +61,7 @@ class Classifier:
     def classify(self, facts: RequestFacts) -> Classification:
         tenant = self.tenant(facts)
         cls = self._policy.classification
-        if cls.lane_header:
+        if cls.lane_header and cls.lane_header in self._trusted:
             wanted = facts.headers.get(cls.lane_header, "").strip().lower()
             if wanted in self._lanes:
                 return Classification(wanted, tenant, "lane_header")

@@ -17,8 +17,10 @@ Between tenants the queue is start-time fair: each tenant carries a virtual
 time that advances by ``predicted_service / weight`` whenever one of its
 entries is served, and the backlogged tenant with the smallest virtual time is
 served next. A tenant that was idle rejoins at the current virtual time, so it
-cannot save up credit. Shares are therefore proportional to weights in
-predicted GPU-seconds, not in request counts.
+cannot save up credit; one whose queue emptied only for a moment keeps the charge
+it has not yet worked off (it is forgotten once the virtual time passes it), so
+it cannot shed its debt by keeping a single request queued. Shares are therefore
+proportional to weights in predicted GPU-seconds, not in request counts.
 """
 
 from __future__ import annotations
@@ -78,6 +80,8 @@ class LaneQueue:
         tenant = self._tenants.get(entry.tenant)
         if tenant is None:
             tenant = self._tenants[entry.tenant] = _Tenant(vtime=self._vtime)
+        elif tenant.size == 0:
+            tenant.vtime = max(tenant.vtime, self._vtime)
         heapq.heappush(tenant.heap, (entry.rank, entry.id, entry))
         tenant.size += 1
         self._size += 1
@@ -104,6 +108,9 @@ class LaneQueue:
         self._vtime = max(self._vtime, tenant.vtime)
         tenant.vtime += max(entry.predicted, _MIN_COST) / self._weight(entry.tenant)
         self._take(entry, tenant)
+        # Idle tenants whose charge the virtual time has caught up with are owed nothing.
+        for name in [n for n, t in self._tenants.items() if t.size == 0 and t.vtime <= self._vtime]:
+            del self._tenants[name]
         return entry
 
     def remove(self, entry: Entry) -> bool:
@@ -119,7 +126,10 @@ class LaneQueue:
         tenant.size -= 1
         self._size -= 1
         self._work -= entry.predicted
-        if tenant.size == 0:
+        if self._size == 0:
+            # Nobody is waiting: every tenant starts afresh at the current virtual time.
+            self._tenants.clear()
+        elif tenant.size == 0 and tenant.vtime <= self._vtime:
             # An idle tenant rejoins at the current virtual time: no saved-up credit.
             del self._tenants[entry.tenant]
 
@@ -138,4 +148,4 @@ class LaneQueue:
         return max(self.entries(), key=lambda e: (e.rank, e.id), default=None)
 
     def tenants(self) -> dict[str, int]:
-        return {name: t.size for name, t in self._tenants.items()}
+        return {name: t.size for name, t in self._tenants.items() if t.size}

@@ -1,0 +1,212 @@
+"""read_body: lenient facts from client-supplied (possibly huge, cut, or hostile) JSON bodies."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+import pytest
+
+from extproc.core.body import BodyFacts, read_body
+
+
+def body(doc: Any) -> bytes:
+    return json.dumps(doc).encode()
+
+
+def test_chat_with_string_content() -> None:
+    facts = read_body(body({
+        "model": "llama-3.1-70b",
+        "max_tokens": 200,
+        "messages": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Hello there"},
+        ],
+    }), complete=True)
+    assert facts == BodyFacts(model="llama-3.1-70b", max_tokens=200,
+                              prompt_chars=len("You are terse.") + len("Hello there"))
+    assert facts.note == ""
+
+
+def test_chat_with_content_parts() -> None:
+    facts = read_body(body({
+        "model": "vision",
+        "messages": [
+            {"role": "user", "content": [
+                {"type": "text", "text": "describe"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 5000}},
+                {"type": "text", "text": " this"},
+            ]},
+            {"role": "assistant", "content": None},
+            "not a message",
+            {"role": "user"},
+        ],
+    }), complete=True)
+    assert facts.prompt_chars == len("describe") + len(" this")
+    assert facts.model == "vision"
+    assert facts.max_tokens is None
+    assert facts.prompt_tokens is None
+
+
+def test_completions_with_string_prompt() -> None:
+    facts = read_body(body({"model": "m", "prompt": "Once upon a time", "max_tokens": 16}), complete=True)
+    assert (facts.prompt_chars, facts.prompt_tokens, facts.max_tokens) == (16, None, 16)
+
+
+def test_completions_with_list_of_string_prompts() -> None:
+    facts = read_body(body({"prompt": ["abc", "defg"]}), complete=True)
+    assert (facts.prompt_chars, facts.prompt_tokens) == (7, None)
+
+
+def test_completions_with_token_id_prompt() -> None:
+    facts = read_body(body({"model": "m", "prompt": [101, 2023, 2003, 102]}), complete=True)
+    assert facts.prompt_tokens == 4
+    assert facts.prompt_chars == 0
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({"max_completion_tokens": 50, "max_tokens": 500}, 50),
+        ({"max_tokens": 500, "max_completion_tokens": 50}, 50),
+        ({"max_tokens": 500, "max_new_tokens": 7}, 500),
+        ({"max_new_tokens": 7}, 7),
+        ({"max_tokens": 0}, 0),
+        # Not acceptable values fall through to the next key, or to "unknown".
+        ({"max_completion_tokens": True, "max_tokens": 40}, 40),
+        ({"max_completion_tokens": -1, "max_tokens": 40}, 40),
+        ({"max_tokens": True}, None),
+        ({"max_tokens": False}, None),
+        ({"max_tokens": -5}, None),
+        ({"max_tokens": 12.5}, None),
+        ({"max_tokens": "100"}, None),
+        ({"max_tokens": None}, None),
+        ({"max_tokens": [100]}, None),
+        ({}, None),
+    ],
+)
+def test_max_tokens(fields: dict[str, Any], expected: int | None) -> None:
+    assert read_body(body({"model": "m", **fields}), complete=True).max_tokens == expected
+
+
+@pytest.mark.parametrize("model", [None, 42, ["a"], {"name": "a"}, True])
+def test_non_string_model_is_ignored(model: Any) -> None:
+    assert read_body(body({"model": model}), complete=True).model is None
+
+
+def test_long_model_name_is_truncated() -> None:
+    assert read_body(body({"model": "m" * 10_000}), complete=True).model == "m" * 256
+
+
+@pytest.mark.parametrize("raw", [b"", b"not json", b"{", b'{"model": "m",}', b"\x00\x01", b"NaN"])
+def test_non_json(raw: bytes) -> None:
+    facts = read_body(raw, complete=True)
+    assert facts.note in ("body is not JSON", "body is not a JSON object")
+    assert (facts.model, facts.max_tokens) == (None, None)
+    assert facts.prompt_chars == len(raw)
+
+
+@pytest.mark.parametrize("raw", [b"[1, 2, 3]", b'"a string"', b"42", b"null", b"true"])
+def test_json_that_is_not_an_object(raw: bytes) -> None:
+    facts = read_body(raw, complete=True)
+    assert facts.note == "body is not a JSON object"
+    assert facts.prompt_chars == len(raw)
+    assert facts.model is None
+
+
+@pytest.mark.parametrize("complete", [True, False])
+def test_deeply_nested_json_does_not_raise(complete: bool) -> None:
+    raw = b"[" * 100_000 + b"]" * 100_000
+    facts = read_body(raw, complete=complete)
+    assert facts.model is None
+    assert facts.note
+
+
+def test_deeply_nested_prompt_that_parses_does_not_raise() -> None:
+    """Nesting the JSON parser accepts must not overflow the prompt-size walk either."""
+    limit = sys.getrecursionlimit()
+    for depth in (10, limit // 4, limit // 2, int(limit * 0.7), limit, limit * 10):
+        nested = b"[" * depth + b'"abc"' + b"]" * depth
+        raw = b'{"model": "m", "messages": [{"role": "user", "content": ' + nested + b"}]}"
+        facts = read_body(raw, complete=True)
+        if facts.note == "":
+            assert (facts.model, facts.prompt_chars) == ("m", 3), depth
+        else:
+            assert facts.note == "body is not JSON", depth
+    # The parser accepts at least moderate nesting, so the walk above was exercised.
+    shallow = b'{"messages": [{"content": ' + b"[" * (limit // 2) + b'"ab"' + b"]" * (limit // 2) + b"}]}"
+    assert read_body(shallow, complete=True).prompt_chars == 2
+
+
+def test_truncated_prefix_uses_regex_and_content_length() -> None:
+    prefix = (b'{"model": "llama-3.1-70b", "max_tokens": 128, "messages": '
+              b'[{"role": "user", "content": "' + b"x" * 5000)
+    facts = read_body(prefix, complete=False, content_length=100_000)
+    assert facts.model == "llama-3.1-70b"
+    assert facts.max_tokens == 128
+    assert facts.prompt_chars == 100_000 - 64
+    assert facts.prompt_tokens is None
+    assert facts.note == "body read in part"
+
+
+def test_truncated_prefix_without_content_length_uses_prefix_length() -> None:
+    prefix = b'{"messages": [{"role": "user", "content": "' + b"y" * 1000
+    facts = read_body(prefix, complete=False)
+    assert facts.prompt_chars == len(prefix) - 64
+    assert (facts.model, facts.max_tokens) == (None, None)
+    assert read_body(b'{"mo', complete=False, content_length=10).prompt_chars == 0
+
+
+def test_truncated_prefix_with_escaped_model_and_other_token_keys() -> None:
+    prefix = b'{"max_completion_tokens" : 77, "model" : "we\\"ird\\u00e9", "messages": [{"content": "'
+    facts = read_body(prefix, complete=False, content_length=5000)
+    assert facts.model == 'we"ird\u00e9'
+    assert facts.max_tokens == 77
+
+
+def test_truncated_prefix_ignores_negative_max_tokens() -> None:
+    facts = read_body(b'{"max_tokens": -3, "prompt": "', complete=False, content_length=100)
+    assert facts.max_tokens is None
+
+
+def test_three_megabyte_prefix() -> None:
+    head = b'{"model": "big-model", "max_tokens": 4096, "messages": [{"role": "user", "content": "'
+    prefix = head + b"z" * (3 * 1024 * 1024 - len(head))
+    started = time.perf_counter()
+    facts = read_body(prefix, complete=False, content_length=8 * 1024 * 1024)
+    assert time.perf_counter() - started < 1.0
+    assert (facts.model, facts.max_tokens) == ("big-model", 4096)
+    assert facts.prompt_chars == 8 * 1024 * 1024 - 64
+
+
+def test_three_megabyte_prefix_without_fields_is_fast() -> None:
+    prefix = b'"model" "max_tokens"' * (3 * 1024 * 1024 // 20)
+    started = time.perf_counter()
+    facts = read_body(prefix, complete=False)
+    assert time.perf_counter() - started < 1.0
+    assert (facts.model, facts.max_tokens) == (None, None)
+
+
+def test_three_megabyte_complete_body() -> None:
+    text = "w" * (3 * 1024 * 1024)
+    facts = read_body(body({"model": "m", "messages": [{"role": "user", "content": text}]}), complete=True)
+    assert facts.prompt_chars == len(text)
+
+
+def test_invalid_utf8_complete_body() -> None:
+    facts = read_body(b'{"model": "\xff\xfe", "max_tokens": 5}', complete=True)
+    assert facts.note == "body is not JSON"
+    assert facts.model is None
+
+
+def test_invalid_utf8_in_truncated_model() -> None:
+    facts = read_body(b'{"model": "ab\xffcd", "max_tokens": 9, "messages": [', complete=False)
+    assert facts.model is None
+    assert facts.max_tokens == 9
+
+
+def test_utf8_model_in_truncated_body() -> None:
+    facts = read_body('{"model": "mod\u00e8le-\u00fc", "messages": ['.encode(), complete=False)
+    assert facts.model == "mod\u00e8le-\u00fc"
