@@ -150,6 +150,34 @@ class Scheduler:
             for t in self._inflight[lane].values()
         )
 
+    def _estimated_wait(self, lane: Lane, rank: float, now: float) -> float:
+        """When a request of ``rank`` would start, by list scheduling on the lane's slots.
+
+        In-flight requests end at their predicted times and queued requests ranked
+        ahead take slots in rank order as they free. A slot the lane owns but cannot
+        use now (lent out) counts as free when the soonest request of any lane ends.
+        """
+        inflight = self._inflight[lane.name]
+        ends = [max(t.predicted - (now - (t.admitted_at or now)), 0.0) for t in inflight.values()]
+        idle = lane.max_inflight - len(ends)
+        if idle > 0:
+            lent_back = 0.0
+            if self.total_inflight >= self._capacity:
+                lent_back = min(
+                    (max(t.predicted - (now - (t.admitted_at or now)), 0.0)
+                     for tickets in self._inflight.values() for t in tickets.values()),
+                    default=0.0,
+                )
+            ends.extend([lent_back] * idle)
+        if not ends:
+            return 0.0
+        heapq.heapify(ends)
+        for _, predicted in sorted(
+            (e.rank, e.predicted) for e in self._queues[lane.name].entries() if e.rank <= rank
+        ):
+            heapq.heapreplace(ends, ends[0] + predicted)
+        return ends[0]
+
     def drain_time(self, lane: str, now: float) -> float:
         """Estimated seconds until the lane's current backlog has been served."""
         # A lane removed by a reload may still have queued requests to reject.
@@ -176,9 +204,9 @@ class Scheduler:
         queue = self._queues[lane.name]
         if len(queue) >= lane.max_queued:
             return self._reject(ticket, Reason.QUEUE_FULL, now), []
-        rank = rank_of(now, ticket.deadline, predicted, self.policy.queueing.sjf_weight)
-        ahead = self._remaining_work(lane.name, now) + queue.work_ahead(rank)
-        if ahead / lane.max_inflight > lane.deadline:
+        sjf_weight = lane.sjf_weight if lane.sjf_weight is not None else self.policy.queueing.sjf_weight
+        rank = rank_of(now, ticket.deadline, predicted, sjf_weight)
+        if self._estimated_wait(lane, rank, now) > lane.deadline:
             return self._reject(ticket, Reason.DEADLINE_UNMEETABLE, now), []
         evicted: list[Decision] = []
         cap = self.policy.capacity.max_queued

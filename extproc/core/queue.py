@@ -139,10 +139,6 @@ class LaneQueue:
                 if entry.queued:
                     yield entry
 
-    def work_ahead(self, rank: float) -> float:
-        """Predicted work queued with a better rank than ``rank`` (an estimate of what is ahead)."""
-        return sum(e.predicted for e in self.entries() if e.rank <= rank)
-
     def worst(self) -> Entry | None:
         """The entry with the worst rank: the one to evict first."""
         return max(self.entries(), key=lambda e: (e.rank, e.id), default=None)

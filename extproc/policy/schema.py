@@ -66,6 +66,8 @@ class Lane(_Strict):
     """Its queued requests may be dropped to make room for higher-priority lanes."""
     closed: bool = False
     """A closed lane rejects every request (reason lane_closed)."""
+    sjf_weight: Annotated[float | None, Field(ge=0, le=1000)] = None
+    """Overrides queueing.sjf_weight for this lane (short deadlines want a small weight)."""
 
 
 class Match(_Strict):
@@ -304,6 +306,7 @@ class Policy(_Strict):
             return mode == "always"
         return (
             self.queueing.sjf_weight > 0
+            or any(lane.sjf_weight for lane in self.lanes)
             or bool(self.estimation.models)
             or any(rule.match.models for rule in self.classification.rules)
         )

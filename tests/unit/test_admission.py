@@ -154,6 +154,47 @@ def test_unmeetable_deadline_is_rejected_at_once() -> None:
     assert s.total_queued == 2
 
 
+def test_wait_estimate_uses_the_soonest_free_slots_not_the_total_backlog() -> None:
+    # Four slots: three long jobs and one short one in flight. The next request waits
+    # for the short one (0.5 s), although the lane's whole backlog is 30.5 s / 4 slots.
+    policy = make_policy([lane("a", 4, deadline="1s")])
+    s = scheduler(policy)
+    for seconds in (10.0, 10.0, 10.0, 0.5):
+        assert submit(s, "a", 0.0, seconds).outcome is Outcome.ADMITTED
+    assert submit(s, "a", 0.0, 0.5).outcome is Outcome.QUEUED  # starts at 0.5 s
+    assert submit(s, "a", 0.0, 0.5).outcome is Outcome.QUEUED  # starts at 1.0 s: just meetable
+    assert_rejected(submit(s, "a", 0.0, 0.5), Reason.DEADLINE_UNMEETABLE, policy)
+
+
+def test_wait_estimate_counts_only_requests_ranked_ahead() -> None:
+    # With SJF, a short request is placed before a queued long one and can meet a
+    # deadline that the long one's work would otherwise have broken.
+    policy = make_policy([lane("a", 1, deadline="3s", sjf_weight=1)])
+    s = scheduler(policy)
+    assert submit(s, "a", 0.0, 1.0).outcome is Outcome.ADMITTED
+    assert submit(s, "a", 0.0, 2.5).outcome is Outcome.QUEUED  # rank 2.5, starts at 1 s
+    assert submit(s, "a", 0.0, 0.5).outcome is Outcome.QUEUED  # rank 0.5: ahead of it
+    s_fifo = scheduler(make_policy([lane("a", 1, deadline="3s")]))
+    submit(s_fifo, "a", 0.0, 1.0)
+    submit(s_fifo, "a", 0.0, 2.5)
+    assert s_fifo.submit("a", "t", job(0.5), 0.0)[0].reason is Reason.DEADLINE_UNMEETABLE
+
+
+def test_lane_sjf_weight_overrides_the_global_one() -> None:
+    policy = make_policy([lane("a", 1, sjf_weight=1), lane("b", 1)], queueing={"sjf_weight": 0})
+    s = scheduler(policy)
+    for name in ("a", "b"):
+        submit(s, name, 0.0, 1.0)
+        long_job = submit(s, name, 0.1, 5.0)
+        short_job = submit(s, name, 0.2, 0.5)
+        assert long_job.outcome is short_job.outcome is Outcome.QUEUED
+    first_a = admitted(s.release(next(iter(s._inflight["a"].values())), 1.0))[0]
+    first_b = admitted(s.release(next(iter(s._inflight["b"].values())), 1.0))[0]
+    assert first_a.job.output_tokens == 50  # lane a is shortest-first
+    assert first_b.job.output_tokens == 500  # lane b is first come, first served
+    assert policy.needs_body
+
+
 def test_deadline_expiry_and_next_timer() -> None:
     policy = make_policy([lane("a", 1, deadline="10s")], capacity={"max_request_duration": "1h"})
     s = scheduler(policy)

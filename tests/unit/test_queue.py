@@ -329,16 +329,6 @@ def test_worst_breaks_rank_ties_by_newest() -> None:
     assert feed.queue.worst() is newer
 
 
-def test_work_ahead() -> None:
-    feed = Feed(sjf_weight=0.0)
-    feed.push(0.0, 1.0)
-    feed.push(1.0, 2.0, "other")
-    feed.push(2.0, 4.0)
-    assert feed.queue.work_ahead(-1.0) == 0.0
-    assert feed.queue.work_ahead(1.0) == pytest.approx(3.0)
-    assert feed.queue.work_ahead(10.0) == pytest.approx(7.0)
-
-
 def test_work_stays_consistent_over_random_operations() -> None:
     rng = random.Random(42)
     feed = Feed()
