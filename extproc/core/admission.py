@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import random
 from dataclasses import dataclass, field
 from enum import Enum
@@ -74,6 +75,11 @@ class LaneView:
     borrowed: int
     queued_work: float
     tenants: dict[str, int] = field(default_factory=dict)
+
+
+def _remaining(ticket: Ticket, now: float) -> float:
+    """Predicted seconds until an in-flight request ends (0 once it has overrun its prediction)."""
+    return max(ticket.predicted - (now - (ticket.admitted_at or now)), 0.0)
 
 
 class Scheduler:
@@ -144,12 +150,6 @@ class Scheduler:
                 owed += min(waiting, max(0, other.max_inflight - len(self._inflight[other.name])))
         return self._capacity - total - owed > 0
 
-    def _remaining_work(self, lane: str, now: float) -> float:
-        return sum(
-            max(t.predicted - (now - (t.admitted_at or now)), 0.0)
-            for t in self._inflight[lane].values()
-        )
-
     def _estimated_wait(self, lane: Lane, rank: float, now: float) -> float:
         """When a request of ``rank`` would start, by list scheduling on the lane's slots.
 
@@ -158,14 +158,13 @@ class Scheduler:
         use now (lent out) counts as free when the soonest request of any lane ends.
         """
         inflight = self._inflight[lane.name]
-        ends = [max(t.predicted - (now - (t.admitted_at or now)), 0.0) for t in inflight.values()]
+        ends = [_remaining(t, now) for t in inflight.values()]
         idle = lane.max_inflight - len(ends)
         if idle > 0:
             lent_back = 0.0
             if self.total_inflight >= self._capacity:
                 lent_back = min(
-                    (max(t.predicted - (now - (t.admitted_at or now)), 0.0)
-                     for tickets in self._inflight.values() for t in tickets.values()),
+                    (_remaining(t, now) for tickets in self._inflight.values() for t in tickets.values()),
                     default=0.0,
                 )
             ends.extend([lent_back] * idle)
@@ -178,12 +177,11 @@ class Scheduler:
             heapq.heapreplace(ends, ends[0] + predicted)
         return ends[0]
 
-    def drain_time(self, lane: str, now: float) -> float:
-        """Estimated seconds until the lane's current backlog has been served."""
-        # A lane removed by a reload may still have queued requests to reject.
+    def backlog_wait(self, lane: str, now: float) -> float:
+        """Estimated seconds until a request arriving now, behind the whole queue, could start."""
         config = self._lanes.get(lane)
-        slots = config.max_inflight if config is not None else 1
-        return (self._remaining_work(lane, now) + self._queues[lane].work) / slots
+        # A lane removed by a reload may still have queued requests to reject.
+        return self._estimated_wait(config, math.inf, now) if config is not None else 0.0
 
     # -- decisions ------------------------------------------------------------------
 
@@ -310,7 +308,8 @@ class Scheduler:
 
     def _reject(self, ticket: Ticket, reason: Reason, now: float) -> Decision:
         ticket.state = State.DONE
-        wait = retry_after(self.drain_time(ticket.lane, now), self.policy.retry_after, self._rng)
+        # Come back when a request queued now would start: jittered, bounded, never 0.
+        wait = retry_after(self.backlog_wait(ticket.lane, now), self.policy.retry_after, self._rng)
         return Decision(Outcome.REJECTED, ticket, reason, wait)
 
     def _victim(self, incoming: Lane) -> Ticket | None:
