@@ -96,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("files", nargs="+", metavar="FILE")
     check.set_defaults(func=_cmd_policy_check)
 
+    demo = commands.add_parser("demo", help="the same overload without and with extproc, side by side")
+    from extproc.sim import demo as sim_demo
+
+    sim_demo.add_arguments(demo)
+    demo.set_defaults(func=sim_demo.command)
+
     sim = commands.add_parser("sim", help="simulated GPU backend and load generation (no GPU needed)")
     sim_commands = sim.add_subparsers(dest="sim_command", metavar="ACTION", required=True)
     backend = sim_commands.add_parser(

@@ -1,0 +1,195 @@
+"""The local demo: the same overload twice, without and with extproc, side by side.
+
+Starts the simulated GPU backend, then runs one workload at a multiple of the
+backend's capacity through Envoy straight to the backend (no admission control)
+and through Envoy + extproc. The backend is restarted between the runs so both
+start from an idle engine. Prints one table and writes a JSON summary and a PNG
+(time to first token over the run, both runs). Every process started is
+stopped at the end, also on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from extproc import localstack
+from extproc.sim.load import run as run_load
+from extproc.sim.profiles import Profile, get_profile
+from extproc.sim.report import Result, Slo, Summary, grouped, summarise
+from extproc.sim.workload import Request, WorkloadSpec, generate, load_spec
+
+ROOT = localstack.ROOT
+
+
+def capacity_rps(profile: Profile, time_scale: float, spec: WorkloadSpec, batch: int | None = None) -> float:
+    """Requests per second the engine completes with a full batch of this workload's mix.
+
+    Throughput of a continuous-batching engine is batch / (time per request), and a
+    request takes its output length in decode steps plus its prompt's prefill.
+    """
+    sample = generate(spec.model_copy(update={"arrivals": spec.arrivals.model_copy(update={"rate": 100.0})}),
+                      200.0, seed=12345)
+    mean_out = sum(r.output_tokens for r in sample) / len(sample)
+    mean_prompt = sum(r.prompt_tokens for r in sample) / len(sample)
+    b = batch or profile.max_running
+    per_request = mean_out * profile.step_seconds(b) + mean_prompt * profile.prefill_s_per_token
+    return b / (per_request * time_scale)
+
+
+@dataclass
+class RunResult:
+    name: str
+    results: list[Result]
+    classes: dict[str, Summary]
+    overall: Summary
+
+
+def _progress(name: str, total: int) -> Any:
+    def show(elapsed: float, started: int, finished: int) -> None:
+        print(f"\r  [{name}] {elapsed:5.0f}s  sent {started:5d}/{total}  finished {finished:5d}",
+              end="", file=sys.stderr, flush=True)
+    return show
+
+
+def run_once(name: str, args: argparse.Namespace, requests: list[Request], spec: WorkloadSpec,
+             workdir: Path, with_extproc: bool) -> RunResult:
+    with localstack.stack(workdir / name) as s:
+        (workdir / name).mkdir(parents=True, exist_ok=True)
+        backend = localstack.free_port()
+        s.start("backend", [sys.executable, "-m", "extproc", "sim", "backend", "--profile", args.profile,
+                            "--time-scale", str(args.time_scale), "--listen", f"127.0.0.1:{backend}",
+                            "--stream-interval", "0.1", "--log-level", "warning", "--seed", str(args.seed)])
+        localstack.wait_http(f"http://127.0.0.1:{backend}/health", proc=s.processes[-1].popen)
+        grpc = None
+        if with_extproc:
+            grpc, http = localstack.free_port(), localstack.free_port()
+            s.extproc(args.policy, grpc, http, "--log-level", "warning", "--seed", str(args.seed))
+        listen, admin = localstack.free_port(), localstack.free_port()
+        s.envoy(localstack.envoy_config(listen, admin, backend, grpc))
+        results = asyncio.run(run_load(f"http://127.0.0.1:{listen}", requests, spec.client, seed=args.seed,
+                                       drain_timeout=args.drain, progress=_progress(name, len(requests))))
+        print(file=sys.stderr)
+    slos = {c.name: Slo(c.slo.ttft, c.slo.e2e) for c in spec.classes}
+    return RunResult(name, results, grouped(results, slos, args.duration),
+                     summarise(results, slos, args.duration))
+
+
+def _fmt_s(value: float | None) -> str:
+    return "-" if value is None else (f"{value:.2f}s" if value < 10 else f"{value:.1f}s")
+
+
+def table(baseline: RunResult, extproc: RunResult) -> str:
+    rows = [("lane", "", "no admission control", "with extproc")]
+    names = sorted(set(baseline.classes) | set(extproc.classes))
+    for name in [*names, "all"]:
+        a = baseline.overall if name == "all" else baseline.classes.get(name, Summary())
+        b = extproc.overall if name == "all" else extproc.classes.get(name, Summary())
+        rows += [
+            (name, "TTFT p50", _fmt_s(a.ttft.get("p50")), _fmt_s(b.ttft.get("p50"))),
+            ("", "TTFT p99", _fmt_s(a.ttft.get("p99")), _fmt_s(b.ttft.get("p99"))),
+            ("", "E2E p99", _fmt_s(a.e2e.get("p99")), _fmt_s(b.e2e.get("p99"))),
+            ("", "goodput", f"{a.goodput_rps:.1f}/s", f"{b.goodput_rps:.1f}/s"),
+            ("", "rejected (429)", f"{a.rejection_rate:.0%}", f"{b.rejection_rate:.0%}"),
+            ("", "failed/timed out", str(a.errors + a.timeouts), str(b.errors + b.timeouts)),
+            ("", "attempts/request", f"{a.retry_amplification:.2f}", f"{b.retry_amplification:.2f}"),
+        ]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths,
+                                                                                            strict=True)))
+             for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def plot(baseline: RunResult, extproc: RunResult, path: Path, title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), sharey=True)
+    for ax, run in zip(axes, (baseline, extproc), strict=True):
+        # Interactive last, so that it is drawn on top.
+        for cls, color in (("best-effort", "tab:gray"), ("batch", "tab:orange"), ("interactive", "tab:blue")):
+            ok = [r for r in run.results if r.cls == cls and r.ok and r.ttft is not None]
+            ax.scatter([r.at for r in ok], [r.ttft for r in ok], s=4, alpha=0.5, color=color, label=cls)
+        rejected = [r.at for r in run.results if r.status in (429, 503)]
+        if rejected:
+            ax.scatter(rejected, [0.003] * len(rejected), s=9, marker="|", color="tab:red",
+                       label="rejected (at arrival)")
+        ax.set_yscale("log")
+        ax.set_xlabel("arrival time (s)")
+        ax.set_title(f"{run.name}: interactive TTFT p99 {_fmt_s(run.classes['interactive'].ttft.get('p99'))}"
+                     if "interactive" in run.classes else run.name)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("time to first token (s, log)")
+    axes[1].legend(loc="upper left", markerscale=3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _run_doc(run: RunResult) -> dict[str, Any]:
+    return {"overall": run.overall.as_dict(), "classes": {k: v.as_dict() for k, v in run.classes.items()}}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--policy", default=str(ROOT / "examples" / "demo-policy.yaml"))
+    parser.add_argument("--workload", default=str(ROOT / "examples" / "workloads" / "chatbot.yaml"))
+    parser.add_argument("--profile", default="llama-70b-2xh100")
+    parser.add_argument("--time-scale", type=float, default=0.1)
+    parser.add_argument("--load", type=float, default=1.5, help="arrival rate as a multiple of capacity")
+    parser.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per run")
+    parser.add_argument("--drain", type=float, default=25.0,
+                        help="seconds to wait for answers after the last arrival (later = timed out)")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "demo"),
+                        help="writes OUT.json and OUT.png")
+
+
+def command(args: argparse.Namespace) -> int:
+    spec = load_spec(args.workload)
+    profile = get_profile(args.profile)
+    capacity = capacity_rps(profile, args.time_scale, spec)
+    rate = capacity * args.load
+    spec = spec.model_copy(update={"arrivals": spec.arrivals.model_copy(update={"rate": rate})})
+    requests = generate(spec, args.duration, args.seed)
+    print(f"extproc demo: {profile.name} at time scale {args.time_scale}; capacity ≈ {capacity:.1f} req/s; "
+          f"offering {rate:.1f} req/s ({args.load:g}x) for {args.duration:g}s = {len(requests)} requests, "
+          f"twice.", file=sys.stderr)
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="extproc-demo-") as tmp:
+        workdir = Path(tmp)
+        print("1/2 Envoy -> backend, no admission control", file=sys.stderr)
+        baseline = run_once("no admission control", args, requests, spec, workdir, with_extproc=False)
+        print("2/2 Envoy -> extproc -> backend", file=sys.stderr)
+        extproc = run_once("with extproc", args, requests, spec, workdir, with_extproc=True)
+    print()
+    print(table(baseline, extproc))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "profile": profile.name, "time_scale": args.time_scale, "capacity_rps": capacity, "load": args.load,
+        "rate_rps": rate, "duration_s": args.duration, "requests": len(requests), "seed": args.seed,
+        "policy": str(args.policy), "workload": str(args.workload),
+        "runs": {r.name: _run_doc(r) for r in (baseline, extproc)},
+        "elapsed_s": round(time.monotonic() - started, 1),
+    }
+    out.with_suffix(".json").write_text(json.dumps(doc, indent=1))
+    title = (f"{len(requests)} requests at {args.load:g}x capacity "
+             f"({profile.name}, time scale {args.time_scale})")
+    drawn = plot(baseline, extproc, out.with_suffix(".png"), title)
+    print(f"\nwrote {out.with_suffix('.json')}" + (f" and {out.with_suffix('.png')}" if drawn else ""))
+    return 0
