@@ -4,7 +4,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup demo serve test lint unit integration e2e clean
+.PHONY: setup system-deps demo serve test lint unit integration e2e clean
+
+# Debian packages the tests use, as command:package. Installed when missing (as root, or with sudo).
+SYSTEM_TOOLS := docker-compose:docker-compose promtool:prometheus
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -13,6 +16,16 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+system-deps:
+	@missing=""; for pair in $(SYSTEM_TOOLS); do \
+	  command -v "$${pair%%:*}" >/dev/null || missing="$$missing $${pair##*:}"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  sudo=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$sudo apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
 
 # The same 1.5x overload of a simulated 70B backend, without and with extproc (about 2.5 minutes):
 # prints a side-by-side table, writes bench/results/demo.json and demo.png.
@@ -30,7 +43,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
-test: lint
+test: lint system-deps
 	$(VENV)/bin/pytest
 
 unit: setup

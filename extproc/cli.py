@@ -67,6 +67,24 @@ def _cmd_policy_check(args: argparse.Namespace) -> int:
     return status
 
 
+def _cmd_envoy_config(args: argparse.Namespace) -> int:
+    from extproc import bootstrap
+
+    extproc = None if args.no_extproc else args.extproc
+    config = bootstrap.render(args.listen, args.admin, args.backend, extproc)
+    target = "--no-extproc" if args.no_extproc else f"--extproc {args.extproc}"
+    command = (f"extproc envoy-config --listen {args.listen} --admin {args.admin} --backend {args.backend} "
+               f"{target}")
+    text = bootstrap.dump(config, header=f"# Generated from envoy/envoy.yaml (see the comments there) by:\n"
+                                         f"#   {command}\n# Edit envoy/envoy.yaml, then regenerate.\n")
+    if args.output:
+        with open(args.output, "w") as out:
+            out.write(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="extproc",
@@ -95,6 +113,15 @@ def build_parser() -> argparse.ArgumentParser:
     check = policy_commands.add_parser("check", help="validate policy files; exit 1 if any has problems")
     check.add_argument("files", nargs="+", metavar="FILE")
     check.set_defaults(func=_cmd_policy_check)
+
+    envoy = commands.add_parser("envoy-config", help="print envoy/envoy.yaml with other addresses")
+    envoy.add_argument("--listen", type=_address, default=_address("127.0.0.1:10000"))
+    envoy.add_argument("--admin", type=_address, default=_address("127.0.0.1:9901"))
+    envoy.add_argument("--backend", type=_address, default=_address("127.0.0.1:8000"))
+    envoy.add_argument("--extproc", type=_address, default=_address("127.0.0.1:50051"))
+    envoy.add_argument("--no-extproc", action="store_true", help="leave the ext_proc filter out (a baseline)")
+    envoy.add_argument("-o", "--output", help="write here instead of stdout")
+    envoy.set_defaults(func=_cmd_envoy_config)
 
     demo = commands.add_parser("demo", help="the same overload without and with extproc, side by side")
     from extproc.sim import demo as sim_demo

@@ -8,7 +8,6 @@ users deploy. Every process started is stopped again, even on errors.
 from __future__ import annotations
 
 import contextlib
-import copy
 import os
 import shutil
 import signal
@@ -25,8 +24,10 @@ from typing import Any
 
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-ENVOY_CONFIG = ROOT / "envoy" / "envoy.yaml"
+from extproc import bootstrap
+from extproc.settings import Address
+
+ROOT = bootstrap.ROOT
 
 
 def free_port() -> int:
@@ -47,48 +48,12 @@ def envoy_binary() -> str:
     return found
 
 
-def _clusters(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {c["name"]: c for c in config["static_resources"]["clusters"]}
-
-
-def _set_endpoint(cluster: dict[str, Any], port: int) -> None:
-    address = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
-    address["socket_address"] = {"address": "127.0.0.1", "port_value": port}
-
-
-def ext_proc_filter(config: dict[str, Any]) -> dict[str, Any] | None:
-    listener = config["static_resources"]["listeners"][0]
-    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
-    for f in hcm["http_filters"]:
-        if f["name"] == "envoy.filters.http.ext_proc":
-            typed: dict[str, Any] = f["typed_config"]
-            return typed
-    return None
-
-
 def envoy_config(listen: int, admin: int, backend: int, extproc: int | None,
-                 *, base: Path = ENVOY_CONFIG,
-                 tweak: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """The shipped Envoy config with its ports rewritten; ``extproc=None`` removes ext_proc."""
-    config: dict[str, Any] = copy.deepcopy(yaml.safe_load(base.read_text()))
-    config["admin"]["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": admin}
-    listener = config["static_resources"]["listeners"][0]
-    listener["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": listen}
-    clusters = _clusters(config)
-    _set_endpoint(clusters["inference_backend"], backend)
-    if extproc is None:
-        hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
-        hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"]
-        for vhost in hcm["route_config"]["virtual_hosts"]:
-            for route in vhost["routes"]:
-                route.pop("typed_per_filter_config", None)
-        config["static_resources"]["clusters"] = [c for c in config["static_resources"]["clusters"]
-                                                  if c["name"] != "extproc"]
-    else:
-        _set_endpoint(clusters["extproc"], extproc)
-    if tweak is not None:
-        tweak(config)
-    return config
+                 *, tweak: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """The shipped Envoy config on local ports; ``extproc=None`` removes ext_proc."""
+    local = "127.0.0.1"
+    return bootstrap.render(Address(local, listen), Address(local, admin), Address(local, backend),
+                            Address(local, extproc) if extproc is not None else None, tweak=tweak)
 
 
 def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen[bytes] | None = None) -> None:
