@@ -29,6 +29,7 @@ from typing import Any
 from extproc.sim import demo
 from extproc.sim.profiles import get_profile
 from extproc.sim.report import Summary
+from extproc.sim.simulate import capacity_rps
 from extproc.sim.workload import generate, load_spec
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -67,7 +68,7 @@ def main() -> int:
     loads = [float(x) for x in args.loads.split(",")]
     profile = get_profile(args.profile)
     base_spec = load_spec(args.workload)
-    capacity = demo.capacity_rps(profile, args.time_scale, base_spec)
+    capacity = capacity_rps(profile, args.time_scale, base_spec)
     points: list[dict[str, Any]] = []
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="extproc-outcomes-") as tmp:

@@ -129,6 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
     sim_demo.add_arguments(demo)
     demo.set_defaults(func=sim_demo.command)
 
+    simulate = commands.add_parser(
+        "simulate", help="what-if: the scheduling core on a virtual clock against the backend's timing model")
+    from extproc.sim import simulate as sim_simulate
+
+    sim_simulate.add_arguments(simulate)
+    simulate.set_defaults(func=sim_simulate.command)
+
     sim = commands.add_parser("sim", help="simulated GPU backend and load generation (no GPU needed)")
     sim_commands = sim.add_subparsers(dest="sim_command", metavar="ACTION", required=True)
     backend = sim_commands.add_parser(

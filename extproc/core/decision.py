@@ -25,6 +25,7 @@ class Reason(StrEnum):
     DEADLINE_UNMEETABLE = "deadline_unmeetable"
     DEADLINE_EXPIRED = "deadline_expired"
     EVICTED = "evicted"
+    FAIR_SHARE = "fair_share"
     LANE_CLOSED = "lane_closed"
     DRAINING = "draining"
 
@@ -43,6 +44,7 @@ _MESSAGES = {
     Reason.DEADLINE_UNMEETABLE: "The request could not start within its lane's deadline.",
     Reason.DEADLINE_EXPIRED: "The request waited in the queue past its lane's deadline.",
     Reason.EVICTED: "The queued request was dropped to make room for higher-priority work.",
+    Reason.FAIR_SHARE: "The queued request gave its place to a tenant below its fair share of the queue.",
     Reason.LANE_CLOSED: "This lane is closed by policy.",
     Reason.DRAINING: "This admission controller is shutting down.",
 }

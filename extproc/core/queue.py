@@ -139,6 +139,25 @@ class LaneQueue:
                 if entry.queued:
                     yield entry
 
+    def crowding(self, tenant: str) -> Entry | None:
+        """When the queue is full: the entry to push out so that ``tenant`` may queue, if any.
+
+        Fair service needs fair queue space: otherwise a full queue fills with the
+        entries of the tenants served least, and a heavier tenant's arrivals are
+        refused for want of room although it is owed service. The entry pushed out is
+        the worst-ranked one of the tenant that holds the most places per unit of
+        weight, provided it holds more than ``tenant`` would after queueing.
+        """
+        mine = self._tenants[tenant].size if tenant in self._tenants else 0
+        most = (mine + 1) / self._weight(tenant)
+        hog: _Tenant | None = None
+        for name, other in self._tenants.items():
+            if name != tenant and other.size and other.size / self._weight(name) > most:
+                hog, most = other, other.size / self._weight(name)
+        if hog is None:
+            return None
+        return max((e for _, _, e in hog.heap if e.queued), key=lambda e: (e.rank, e.id))
+
     def worst(self) -> Entry | None:
         """The entry with the worst rank: the one to evict first."""
         return max(self.entries(), key=lambda e: (e.rank, e.id), default=None)

@@ -22,26 +22,12 @@ from typing import Any
 
 from extproc import localstack
 from extproc.sim.load import run as run_load
-from extproc.sim.profiles import Profile, get_profile
-from extproc.sim.report import Result, Slo, Summary, grouped, summarise
+from extproc.sim.profiles import get_profile
+from extproc.sim.report import Result, Slo, Summary, grouped, side_by_side, summarise
+from extproc.sim.simulate import capacity_rps
 from extproc.sim.workload import Request, WorkloadSpec, generate, load_spec
 
 ROOT = localstack.ROOT
-
-
-def capacity_rps(profile: Profile, time_scale: float, spec: WorkloadSpec, batch: int | None = None) -> float:
-    """Requests per second the engine completes with a full batch of this workload's mix.
-
-    Throughput of a continuous-batching engine is batch / (time per request), and a
-    request takes its output length in decode steps plus its prompt's prefill.
-    """
-    sample = generate(spec.model_copy(update={"arrivals": spec.arrivals.model_copy(update={"rate": 100.0})}),
-                      200.0, seed=12345)
-    mean_out = sum(r.output_tokens for r in sample) / len(sample)
-    mean_prompt = sum(r.prompt_tokens for r in sample) / len(sample)
-    b = batch or profile.max_running
-    per_request = mean_out * profile.step_seconds(b) + mean_prompt * profile.prefill_s_per_token
-    return b / (per_request * time_scale)
 
 
 @dataclass
@@ -87,26 +73,7 @@ def _fmt_s(value: float | None) -> str:
 
 
 def table(baseline: RunResult, extproc: RunResult) -> str:
-    rows = [("lane", "", "no admission control", "with extproc")]
-    names = sorted(set(baseline.classes) | set(extproc.classes))
-    for name in [*names, "all"]:
-        a = baseline.overall if name == "all" else baseline.classes.get(name, Summary())
-        b = extproc.overall if name == "all" else extproc.classes.get(name, Summary())
-        rows += [
-            (name, "TTFT p50", _fmt_s(a.ttft.get("p50")), _fmt_s(b.ttft.get("p50"))),
-            ("", "TTFT p99", _fmt_s(a.ttft.get("p99")), _fmt_s(b.ttft.get("p99"))),
-            ("", "E2E p99", _fmt_s(a.e2e.get("p99")), _fmt_s(b.e2e.get("p99"))),
-            ("", "goodput", f"{a.goodput_rps:.1f}/s", f"{b.goodput_rps:.1f}/s"),
-            ("", "rejected (429)", f"{a.rejection_rate:.0%}", f"{b.rejection_rate:.0%}"),
-            ("", "failed/timed out", str(a.errors + a.timeouts), str(b.errors + b.timeouts)),
-            ("", "attempts/request", f"{a.retry_amplification:.2f}", f"{b.retry_amplification:.2f}"),
-        ]
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths,
-                                                                                            strict=True)))
-             for r in rows]
-    lines.insert(1, "-" * len(lines[0]))
-    return "\n".join(lines)
+    return side_by_side({run.name: (run.classes, run.overall) for run in (baseline, extproc)})
 
 
 def plot(baseline: RunResult, extproc: RunResult, path: Path, title: str) -> bool:

@@ -27,6 +27,8 @@ class Result:
     output_tokens: int
     reason: str = ""
     """extproc's x-extproc-reason on the final rejection, if any."""
+    queue_wait: float | None = None
+    """Seconds the admitted attempt waited for admission (known in simulation, not over HTTP)."""
 
     @property
     def ok(self) -> bool:
@@ -63,6 +65,7 @@ class Summary:
     met_slo: int = 0
     ttft: dict[str, float | None] = field(default_factory=dict)
     e2e: dict[str, float | None] = field(default_factory=dict)
+    queue_wait: dict[str, float | None] = field(default_factory=dict)
     goodput_rps: float = 0.0
     throughput_rps: float = 0.0
     rejection_rate: float = 0.0
@@ -82,6 +85,7 @@ def summarise(results: Iterable[Result], slos: Mapping[str, Slo], duration: floa
     s = Summary(requests=len(rows))
     ttfts: list[float] = []
     e2es: list[float] = []
+    waits: list[float] = []
     for r in rows:
         s.attempts += r.attempts
         if r.ok:
@@ -90,6 +94,8 @@ def summarise(results: Iterable[Result], slos: Mapping[str, Slo], duration: floa
                 ttfts.append(r.ttft)
             if r.e2e is not None:
                 e2es.append(r.e2e)
+            if r.queue_wait is not None:
+                waits.append(r.queue_wait)
             slo = slos.get(r.cls)
             if slo is not None and r.ttft is not None and r.e2e is not None and (
                 r.ttft <= slo.ttft and r.e2e <= slo.e2e
@@ -104,6 +110,7 @@ def summarise(results: Iterable[Result], slos: Mapping[str, Slo], duration: floa
     for q in (50, 90, 99):
         s.ttft[f"p{q}"] = percentile(ttfts, q)
         s.e2e[f"p{q}"] = percentile(e2es, q)
+        s.queue_wait[f"p{q}"] = percentile(waits, q)
     if duration > 0:
         s.goodput_rps = s.met_slo / duration
         s.throughput_rps = s.ok / duration
@@ -124,3 +131,49 @@ def grouped(results: Iterable[Result], slos: Mapping[str, Slo], duration: float,
     for r in results:
         groups.setdefault(key(r), []).append(r)
     return {name: summarise(rows, slos, duration) for name, rows in sorted(groups.items())}
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2f}s" if value < 10 else f"{value:.1f}s"
+
+
+#: Rows of a side-by-side table: label and how to show one Summary's value.
+_ROWS: tuple[tuple[str, Callable[[Summary], str]], ...] = (
+    ("queue wait p50", lambda s: _seconds(s.queue_wait.get("p50"))),
+    ("queue wait p99", lambda s: _seconds(s.queue_wait.get("p99"))),
+    ("TTFT p50", lambda s: _seconds(s.ttft.get("p50"))),
+    ("TTFT p99", lambda s: _seconds(s.ttft.get("p99"))),
+    ("E2E p99", lambda s: _seconds(s.e2e.get("p99"))),
+    ("goodput", lambda s: f"{s.goodput_rps:.1f}/s"),
+    ("rejected (429)", lambda s: f"{s.rejection_rate:.0%}"),
+    ("failed/timed out", lambda s: str(s.errors + s.timeouts)),
+    ("attempts/request", lambda s: f"{s.retry_amplification:.2f}"),
+)
+
+
+def side_by_side(columns: Mapping[str, tuple[Mapping[str, Summary], Summary]]) -> str:
+    """One table: a block of rows per lane (and "all"), one column per run.
+
+    ``columns`` maps a run's name to its per-lane summaries and its overall summary.
+    Queue-wait rows appear only when some run knows its queue waits (simulation).
+    """
+    runs = list(columns.items())
+    has_waits = any(s.queue_wait.get("p50") is not None for _, (lanes, overall) in runs
+                    for s in [*lanes.values(), overall])
+    rows_spec = [r for r in _ROWS if has_waits or not r[0].startswith("queue wait")]
+    lanes = sorted({name for _, (per_lane, _) in runs for name in per_lane})
+    rows: list[tuple[str, ...]] = [("lane", "", *[name for name, _ in runs])]
+    for lane in [*lanes, "all"]:
+        for i, (label, show) in enumerate(rows_spec):
+            cells = [show(overall if lane == "all" else per_lane.get(lane, Summary()))
+                     for _, (per_lane, overall) in runs]
+            rows.append((lane if i == 0 else "", label, *cells))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for row in rows:
+        padded = zip(row, widths, strict=True)
+        lines.append("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(padded)))
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)

@@ -1,0 +1,430 @@
+"""Offline what-if simulator: the live scheduling core on a virtual clock.
+
+How this works: a discrete-event loop takes, in time order, the next of three
+kinds of events — a request arriving (or a client retrying or giving up), the
+engine's next step boundary, and the scheduler's next deadline. The scheduler
+is ``extproc.core.admission.Scheduler``, driven exactly as the live service
+drives it (submit on arrival, release when the request finishes, expire at
+deadlines); the backend is ``extproc.sim.engine.Engine``, the same timing model
+the simulated backend serves over HTTP. Requests are classified by the same
+``Classifier`` and sized by the same estimator, from what the live service
+would see of them. Only the clock differs, so a policy edit can be tried on
+yesterday's traffic in seconds, and the results can be checked against
+queueing theory.
+
+Three ways to run the same requests: no admission control (everything goes
+straight to the engine, whose own queue is FIFO and unbounded), FIFO with a
+queue cap (one lane, the policy's capacity, first come first served), and the
+policy itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import random
+import sys
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from extproc.core.admission import Decision, Scheduler, Ticket
+from extproc.core.classify import Classifier, RequestFacts
+from extproc.core.decision import Outcome
+from extproc.policy.schema import Policy
+from extproc.sim.engine import Engine, Finished, FirstToken, RequestRejected
+from extproc.sim.profiles import Profile, get_profile
+from extproc.sim.report import Result, Slo, Summary, grouped, side_by_side, summarise
+from extproc.sim.workload import Arrivals, Client, Request, WorkloadSpec, generate, load_spec, retry_delay
+
+
+class Mode(StrEnum):
+    NONE = "no admission control"
+    FIFO = "fifo, capped queue"
+    POLICY = "policy"
+
+
+_ARRIVE, _TIMEOUT = 0, 1
+
+
+@dataclass(slots=True)
+class _State:
+    request: Request
+    lane: str = ""
+    tenant: str = ""
+    attempts: int = 0
+    ticket: Ticket | None = None
+    first_token: float | None = None
+    queue_wait: float | None = None
+    in_engine: bool = False
+    result: Result | None = None
+
+
+@dataclass
+class Run:
+    """One simulated run: per-request results and what the scheduler served per tenant."""
+
+    mode: str
+    results: list[Result]
+    served_work: dict[str, dict[str, float]] = field(default_factory=dict)
+    """lane → tenant → predicted seconds of work admitted."""
+    events: int = 0
+    peak_running: int = 0
+    """Most sequences the engine ran at once (the policy's capacity must bound it)."""
+
+
+def capacity_rps(profile: Profile, time_scale: float, spec: WorkloadSpec, batch: int | None = None
+                 ) -> float:
+    """Requests per second the engine completes with a full batch of this workload's mix.
+
+    Throughput of a continuous-batching engine is batch / (time per request), and a
+    request takes its output length in decode steps plus its prompt's prefill.
+    """
+    sample = generate(spec.model_copy(update={"arrivals": spec.arrivals.model_copy(update={"rate": 100.0})}),
+                      200.0, seed=12345)
+    mean_out = sum(r.output_tokens for r in sample) / len(sample)
+    mean_prompt = sum(r.prompt_tokens for r in sample) / len(sample)
+    b = batch or profile.max_running
+    per_request = mean_out * profile.step_seconds(b) + mean_prompt * profile.prefill_s_per_token
+    return b / (per_request * time_scale)
+
+
+def fifo_policy(policy: Policy, max_queued: int | None = None) -> Policy:
+    """One first-come-first-served lane with the policy's capacity and a queue cap."""
+    cap = max_queued if max_queued is not None else sum(lane.max_queued for lane in policy.lanes)
+    return Policy.model_validate({
+        "lanes": [{"name": "fifo", "max_inflight": policy.total_capacity, "max_queued": cap,
+                   # A queue cap, not a deadline: waits are limited only by the hold bound.
+                   "deadline": policy.capacity.max_hold * 0.99}],
+        "classification": {"default_lane": "fifo"},
+        "queueing": {"sjf_weight": 0},
+        "estimation": policy.estimation.model_dump(),
+        "capacity": {"max_hold": policy.capacity.max_hold},
+        "retry_after": policy.retry_after.model_dump(),
+    })
+
+
+def _facts(request: Request, policy: Policy) -> tuple[RequestFacts, bool]:
+    """What the live service would know of this request, and whether it would read its body."""
+    headers = {k.lower(): v for k, v in request.headers.items()}
+    model_header = policy.estimation.model_header
+    model = headers.get(model_header) if model_header else None
+    reads_body = policy.needs_body
+    if reads_body and model is None:
+        model = request.model
+    return RequestFacts("POST", request.path, headers, model), reads_body
+
+
+class Simulator:
+    def __init__(self, profile: Profile, *, time_scale: float = 1.0, client: Client | None = None,
+                 seed: int = 0) -> None:
+        self.profile = profile
+        self.time_scale = time_scale
+        self.client = client or Client()
+        self.seed = seed
+
+    def run(self, requests: Sequence[Request], policy: Policy | None, mode: str = Mode.POLICY) -> Run:
+        """Simulate ``requests`` through ``policy`` (None: no admission control)."""
+        rng = random.Random(self.seed)
+        engine = Engine(self.profile, self.time_scale)
+        scheduler = Scheduler(policy, rng=random.Random(self.seed)) if policy is not None else None
+        classifier = Classifier(policy) if policy is not None else None
+        states = [_State(r) for r in requests]
+        by_ticket: dict[int, _State] = {}
+        served: dict[str, dict[str, float]] = {}
+        heap: list[tuple[float, int, int, int]] = []
+        seq = 0
+        for i, r in enumerate(requests):
+            heap.append((r.at, seq, _ARRIVE, i))
+            seq += 1
+            heap.append((r.at + self.client.timeout, seq, _TIMEOUT, i))
+            seq += 1
+        heapq.heapify(heap)
+        events = 0
+        peak = 0
+
+        def finish(st: _State, status: int, now: float | None, reason: str = "") -> None:
+            r = st.request
+            ok = 200 <= status < 300 and now is not None
+            st.result = Result(
+                r.index, r.cls, st.tenant or r.tenant, r.at, status,
+                (st.first_token - r.at) if ok and st.first_token is not None else None,
+                (now - r.at) if ok and now is not None else None,
+                st.attempts, r.output_tokens, reason, st.queue_wait if ok else None,
+            )
+
+        def to_engine(st: _State, now: float) -> None:
+            try:
+                engine.add(str(st.request.index), st.request.prompt_tokens, st.request.output_tokens, now)
+                st.in_engine = True
+            except RequestRejected:
+                finish(st, 400, None, "too_long")
+                if scheduler is not None and st.ticket is not None:
+                    settle(scheduler.release(st.ticket, now, learn=False), now)
+
+        def settle(decisions: Iterable[Decision], now: float) -> None:
+            nonlocal seq
+            for d in decisions:
+                st = by_ticket.get(d.ticket.id)
+                if st is None or st.result is not None:
+                    continue
+                if d.outcome is Outcome.ADMITTED:
+                    st.queue_wait = d.ticket.queue_wait
+                    lane = served.setdefault(d.ticket.lane, {})
+                    lane[d.ticket.tenant] = lane.get(d.ticket.tenant, 0.0) + d.ticket.predicted
+                    to_engine(st, now)
+                elif d.outcome is Outcome.REJECTED:
+                    by_ticket.pop(d.ticket.id, None)
+                    st.ticket = None
+                    status = d.reason.http_status if d.reason is not None else 429
+                    delay = retry_delay(self.client, st.attempts, status,
+                                        {"retry-after": str(d.retry_after)}, rng)
+                    if delay is None:
+                        finish(st, status, None, d.reason.value if d.reason else "")
+                    else:
+                        heapq.heappush(heap, (now + delay, seq, _ARRIVE, st.request.index))
+                        seq += 1
+
+        while True:
+            t_heap = heap[0][0] if heap else math.inf
+            t_engine = engine.next_event_time()
+            t_sched = scheduler.next_timer() if scheduler is not None else None
+            now = min(t_heap, math.inf if t_engine is None else t_engine,
+                      math.inf if t_sched is None else t_sched)
+            if now == math.inf:
+                break
+            while heap and heap[0][0] <= now:
+                _, _, kind, index = heapq.heappop(heap)
+                st = states[index]
+                if st.result is not None:
+                    continue
+                events += 1
+                if kind == _TIMEOUT:
+                    if st.in_engine:
+                        engine.cancel(str(index), now)
+                    finish(st, -1, None, "timeout")
+                    if scheduler is not None and st.ticket is not None:
+                        by_ticket.pop(st.ticket.id, None)
+                        settle(scheduler.release(st.ticket, now, learn=False), now)
+                    continue
+                st.attempts += 1
+                if scheduler is None or classifier is None or policy is None:
+                    to_engine(st, now)
+                    continue
+                facts, reads_body = _facts(st.request, policy)
+                cls = classifier.classify(facts)
+                st.lane, st.tenant = cls.lane, cls.tenant
+                job = (scheduler.estimator.job(facts.model, 0, st.request.prompt_tokens,
+                                               st.request.output_tokens)
+                       if reads_body else scheduler.estimator.job(facts.model, 0, 0, None))
+                decision, evicted = scheduler.submit(cls.lane, cls.tenant, job, now)
+                by_ticket[decision.ticket.id] = st
+                st.ticket = decision.ticket
+                settle([decision, *evicted], now)
+            if scheduler is not None and t_sched is not None and t_sched <= now:
+                events += 1
+                settle(scheduler.expire(now), now)
+            events_now = engine.advance(now)
+            peak = max(peak, engine.running)
+            for event in events_now:
+                events += 1
+                st = states[int(event.req_id)]
+                if isinstance(event, FirstToken):
+                    st.first_token = event.time
+                elif isinstance(event, Finished):
+                    st.in_engine = False
+                    if scheduler is None:
+                        # Without admission control the only queue is the engine's own.
+                        st.queue_wait = event.queue_time
+                    if st.first_token is None:
+                        st.first_token = event.time - (event.e2e - event.ttft)
+                    finish(st, 200, event.time)
+                    if scheduler is not None and st.ticket is not None:
+                        by_ticket.pop(st.ticket.id, None)
+                        settle(scheduler.release(st.ticket, event.time), event.time)
+        results = [st.result or Result(st.request.index, st.request.cls, st.request.tenant, st.request.at, -1,
+                                       None, None, st.attempts, st.request.output_tokens, "unfinished")
+                   for st in states]
+        return Run(mode, results, served, events, peak)
+
+
+def tenant_shares(run: Run, policy: Policy) -> dict[str, dict[str, tuple[float, float]]]:
+    """lane → tenant → (share of admitted predicted work, share its weight entitles it to)."""
+    out: dict[str, dict[str, tuple[float, float]]] = {}
+    weights = policy.tenants.weights
+    for lane, tenants in run.served_work.items():
+        total = sum(tenants.values())
+        weight_total = sum(weights.get(t, policy.tenants.default_weight) for t in tenants)
+        if total <= 0 or len(tenants) < 2:
+            continue
+        out[lane] = {t: (work / total, weights.get(t, policy.tenants.default_weight) / weight_total)
+                     for t, work in sorted(tenants.items())}
+    return out
+
+
+def read_requests(path: str | Path) -> list[Request]:
+    """A trace: the JSONL of ``extproc sim load --write-trace``, or extproc's own decision log."""
+    rows: list[Request] = []
+    with Path(path).open() as source:
+        first = source.readline()
+        source.seek(0)
+        if '"event": "decision"' in first or '"event":"decision"' in first:
+            return list(requests_from_decision_log(source))
+    from extproc.sim.workload import read_trace
+
+    rows.extend(read_trace(path))
+    return rows
+
+
+def requests_from_decision_log(lines: Iterable[str]) -> Iterator[Request]:
+    """Turn extproc's decision records into a replayable trace, in arrival order.
+
+    Each record carries the request's arrival time, path, the headers the policy
+    trusted, model and token counts, so a new policy can classify and size it
+    again. Lines that are not decision records (start-up, warnings) are skipped.
+    """
+    records = []
+    for line in lines:
+        line = line.strip()
+        if not line.startswith("{"):
+            continue
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            continue
+        if doc.get("event") != "decision" or "arrival" not in doc:
+            continue
+        records.append(doc)
+    records.sort(key=lambda d: d["arrival"])
+    if not records:
+        return
+    origin = records[0]["arrival"]
+    for i, doc in enumerate(records):
+        yield Request(
+            index=i, at=doc["arrival"] - origin, cls=doc.get("lane") or "unknown",
+            tenant=doc.get("tenant") or "default", prompt_tokens=max(1, int(doc.get("prompt_tokens") or 1)),
+            output_tokens=max(1, int(doc.get("output_tokens") or 1)), path=doc.get("path") or "/",
+            headers=dict(doc.get("headers") or {}), stream=True, model=doc.get("model") or "unknown",
+        )
+
+
+# -- command line: extproc simulate [compare A B] ---------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("compare", nargs="*", metavar="compare A.yaml B.yaml",
+                        help="compare two policies on the same requests instead of the baselines")
+    parser.add_argument("--policy", help="the policy to simulate (with the two baselines)")
+    parser.add_argument("--workload", help="workload spec (YAML); with --trace, only its SLOs are used")
+    parser.add_argument("--trace", help="replay a JSONL trace or extproc's decision log")
+    parser.add_argument("--duration", type=float, default=300.0, help="seconds of arrivals (workload)")
+    rate = parser.add_mutually_exclusive_group()
+    rate.add_argument("--rate", type=float, help="mean arrivals per second")
+    rate.add_argument("--load", type=float, help="arrival rate as a multiple of the backend's capacity")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--profile", default="llama-70b-2xh100")
+    parser.add_argument("--time-scale", type=float, default=0.1)
+    parser.add_argument("--fifo-cap", type=int, default=None,
+                        help="queue cap of the FIFO baseline (default: the policy's lanes' queues summed)")
+    parser.add_argument("--json", dest="json_out", help="write the summaries here")
+    parser.add_argument("--plot", help="write a PNG here")
+
+
+def _requests(args: argparse.Namespace, profile: Profile) -> tuple[list[Request], float, WorkloadSpec]:
+    spec = load_spec(args.workload) if args.workload else WorkloadSpec(arrivals=Arrivals(rate=1.0))
+    if args.trace:
+        requests = read_requests(args.trace)
+        return requests, max((r.at for r in requests), default=0.0), spec
+    if not args.workload:
+        raise SystemExit("extproc simulate: give --workload SPEC or --trace FILE")
+    rate = args.rate or (capacity_rps(profile, args.time_scale, spec) * args.load if args.load else None)
+    if rate is not None:
+        spec = spec.model_copy(update={"arrivals": spec.arrivals.model_copy(update={"rate": rate})})
+    return generate(spec, args.duration, args.seed), args.duration, spec
+
+
+def command(args: argparse.Namespace) -> int:
+    from extproc.policy import PolicyError, load_policy
+
+    if args.compare and (args.compare[0] != "compare" or len(args.compare) != 3):
+        raise SystemExit("extproc simulate: expected `compare A.yaml B.yaml` or no positional arguments")
+    if not args.compare and not args.policy:
+        raise SystemExit("extproc simulate: give --policy FILE (or `compare A.yaml B.yaml`)")
+    profile = get_profile(args.profile)
+    try:
+        if args.compare:
+            policies: dict[str, Policy | None] = {p: load_policy(p) for p in args.compare[1:]}
+        else:
+            policy = load_policy(args.policy)
+            policies = {Mode.NONE.value: None, Mode.FIFO.value: fifo_policy(policy, args.fifo_cap),
+                        f"policy ({Path(args.policy).name})": policy}
+    except PolicyError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    requests, duration, spec = _requests(args, profile)
+    simulator = Simulator(profile, time_scale=args.time_scale, client=spec.client, seed=args.seed)
+    default_slo = Slo(ttft=2.0, e2e=120.0)
+    slos = {c.name: Slo(c.slo.ttft, c.slo.e2e) for c in spec.classes}
+    for r in requests:
+        slos.setdefault(r.cls, default_slo)
+    columns: dict[str, tuple[dict[str, Summary], Summary]] = {}
+    doc: dict[str, Any] = {"profile": profile.name, "time_scale": args.time_scale, "seed": args.seed,
+                           "requests": len(requests), "duration_s": duration, "runs": {}}
+    started = time.perf_counter()
+    for name, policy_or_none in policies.items():
+        t0 = time.perf_counter()
+        run = simulator.run(requests, policy_or_none, name)
+        per_lane = grouped(run.results, slos, duration)
+        overall = summarise(run.results, slos, duration)
+        columns[name] = (per_lane, overall)
+        shares = tenant_shares(run, policy_or_none) if policy_or_none is not None else {}
+        doc["runs"][name] = {
+            "overall": overall.as_dict(), "lanes": {k: v.as_dict() for k, v in per_lane.items()},
+            "tenant_shares": shares, "simulated_s": round(time.perf_counter() - t0, 2),
+        }
+    print(f"{len(requests)} requests over {duration:.0f}s on {profile.name} (time scale {args.time_scale}), "
+          f"simulated in {time.perf_counter() - started:.1f}s")
+    print(side_by_side(columns))
+    for name, run_doc in doc["runs"].items():
+        for lane, shares in run_doc["tenant_shares"].items():
+            text = ", ".join(f"{t} {got:.0%} (weight {want:.0%})" for t, (got, want) in shares.items())
+            print(f"tenant shares, {name}, {lane}: {text}")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(doc, indent=1))
+    if args.plot:
+        _plot(columns, Path(args.plot))
+    return 0
+
+
+def _plot(columns: dict[str, tuple[dict[str, Summary], Summary]], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+        return
+    lanes = sorted({lane for per_lane, _ in columns.values() for lane in per_lane})
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / max(len(columns), 1)
+    for i, (name, (per_lane, _)) in enumerate(columns.items()):
+        xs = [j + i * width for j in range(len(lanes))]
+        ax1.bar(xs, [per_lane[lane].ttft.get("p99") or 0 if lane in per_lane else 0 for lane in lanes],
+                width, label=name)
+        ax2.bar(xs, [per_lane[lane].goodput_rps if lane in per_lane else 0 for lane in lanes], width,
+                label=name)
+    for ax, title in ((ax1, "TTFT p99 (s, log)"), (ax2, "goodput (requests/s meeting their SLO)")):
+        ax.set_xticks([j + width * (len(columns) - 1) / 2 for j in range(len(lanes))], lanes)
+        ax.set_title(title)
+        ax.grid(alpha=0.3, axis="y")
+    ax1.set_yscale("log")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
