@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from extproc import localstack
+from extproc.sim.load import progress_printer
 from extproc.sim.load import run as run_load
 from extproc.sim.profiles import get_profile
 from extproc.sim.report import Result, Slo, Summary, grouped, side_by_side, summarise
@@ -38,13 +39,6 @@ class RunResult:
     overall: Summary
 
 
-def _progress(name: str, total: int) -> Any:
-    def show(elapsed: float, started: int, finished: int) -> None:
-        print(f"\r  [{name}] {elapsed:5.0f}s  sent {started:5d}/{total}  finished {finished:5d}",
-              end="", file=sys.stderr, flush=True)
-    return show
-
-
 def run_once(name: str, args: argparse.Namespace, requests: list[Request], spec: WorkloadSpec,
              workdir: Path, with_extproc: bool) -> RunResult:
     with localstack.stack(workdir / name) as s:
@@ -60,9 +54,11 @@ def run_once(name: str, args: argparse.Namespace, requests: list[Request], spec:
             s.extproc(args.policy, grpc, http, "--log-level", "warning", "--seed", str(args.seed))
         listen, admin = localstack.free_port(), localstack.free_port()
         s.envoy(localstack.envoy_config(listen, admin, backend, grpc))
+        progress = progress_printer(name, len(requests))
         results = asyncio.run(run_load(f"http://127.0.0.1:{listen}", requests, spec.client, seed=args.seed,
-                                       drain_timeout=args.drain, progress=_progress(name, len(requests))))
-        print(file=sys.stderr)
+                                       drain_timeout=args.drain, progress=progress))
+        if sys.stderr.isatty():
+            print(file=sys.stderr)
     slos = {c.name: Slo(c.slo.ttft, c.slo.e2e) for c in spec.classes}
     return RunResult(name, results, grouped(results, slos, args.duration),
                      summarise(results, slos, args.duration))

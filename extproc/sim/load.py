@@ -42,6 +42,22 @@ from extproc.sim.workload import (
 Progress = Callable[[float, int, int], None]
 
 
+def progress_printer(label: str, total: int) -> Progress:
+    """Progress on stderr: one line rewritten in place on a terminal, a line every 10 s otherwise."""
+    tty = sys.stderr.isatty()
+    last = [-10.0]
+
+    def show(elapsed: float, started: int, finished: int) -> None:
+        line = f"  [{label}] {elapsed:5.0f}s  sent {started:5d}/{total}  finished {finished:5d}"
+        if tty:
+            print(f"\r{line}", end="", file=sys.stderr, flush=True)
+        elif elapsed - last[0] >= 10.0:
+            last[0] = elapsed
+            print(line, file=sys.stderr, flush=True)
+
+    return show
+
+
 async def _attempt(session: aiohttp.ClientSession, url: str, request: Request, started: float,
                    ) -> tuple[int, float | None, float | None, dict[str, str]]:
     """One HTTP attempt: (status, ttft, e2e, response headers), times from ``started``."""
@@ -196,13 +212,10 @@ def command(args: argparse.Namespace) -> int:
     if args.write_trace:
         write_trace(requests, args.write_trace)
 
-    def progress(elapsed: float, started: int, finished: int) -> None:
-        print(f"\r  {elapsed:6.1f}s  sent {started}/{len(requests)}  finished {finished}", end="",
-              file=sys.stderr, flush=True)
-
-    results = asyncio.run(run(args.target, requests, client, seed=args.seed,
-                              drain_timeout=args.drain_timeout, progress=progress))
-    print(file=sys.stderr)
+    results = asyncio.run(run(args.target, requests, client, seed=args.seed, drain_timeout=args.drain_timeout,
+                              progress=progress_printer("load", len(requests))))
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
     slos = {c.name: Slo(c.slo.ttft, c.slo.e2e) for c in spec.classes}
     per_class = grouped(results, slos, duration)
     per_length = grouped(results, slos, duration, key=length_class)
