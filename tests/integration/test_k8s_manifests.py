@@ -1,0 +1,691 @@
+"""The Kubernetes and Istio manifests under istio/ build, validate, and agree with the code.
+
+Every check uses the real tool: ``kubectl kustomize`` builds each kustomization,
+``kubernetes-validate`` checks every built resource against the Kubernetes schemas
+(strictly: unknown fields are errors), a real Envoy validates every EnvoyFilter patch,
+``extproc policy check`` the policy in each ConfigMap, ``promtool`` the alert rules (and
+unit-tests them on synthetic series), a real ``redis-server`` the Redis arguments, and a
+real extproc's ``/metrics`` every metric name used by alerts, KEDA and the dashboard.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import kubernetes_validate
+import pytest
+import yaml
+
+from extproc.localstack import ROOT, Stack, envoy_binary, free_port, wait_http
+from extproc.policy import load_policy
+from extproc.policy.schema import Policy
+
+ISTIO = ROOT / "istio"
+#: Every kustomization shipped, by name. A new one must be added here (a test checks).
+SHIPPED = {
+    "base": ISTIO / "base",
+    "gateway": ISTIO / "overlays" / "gateway",
+    "sidecar": ISTIO / "overlays" / "sidecar",
+    "seed-scenario": ISTIO / "examples" / "seed-scenario",
+}
+#: Compositions that include the optional components (built from a temporary kustomization).
+WITH_COMPONENTS = {
+    "gateway+redis": ("gateway", ["redis"]),
+    "sidecar+sidecar-scope": ("sidecar", ["sidecar-scope"]),
+}
+ALL = [*SHIPPED, *WITH_COMPONENTS]
+#: Compositions that wire extproc into the mesh (EnvoyFilters, a policy ConfigMap of their own).
+WIRED = [name for name in ALL if name != "base"]
+#: The oldest Kubernetes the manifests claim, and the newest kubernetes-validate knows.
+K8S_VERSIONS = ["1.29.0", kubernetes_validate.latest_version()]
+#: API groups whose kinds are CRDs (no schema in kubernetes-validate): parsed and checked here.
+CRD_GROUPS = {"networking.istio.io", "monitoring.coreos.com", "keda.sh", "kueue.x-k8s.io"}
+HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+EXT_PROC = "envoy.filters.http.ext_proc"
+Doc = dict[str, Any]
+Rendered = dict[str, list[Doc]]
+PROMQL_WORDS = {"and", "or", "unless", "by", "without", "on", "ignoring", "group_left", "group_right",
+                "offset", "bool", "inf", "nan"}
+
+
+def tool(name: str) -> str:
+    """A tool next to this interpreter (installed by pip into the venv), else from PATH."""
+    local = Path(sys.executable).parent / name
+    if local.exists():
+        return str(local)
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"{name} is not installed (see the Makefile's SYSTEM_TOOLS and pyproject's test extra)")
+    return path
+
+
+def run(argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False, **kwargs)
+
+
+def kustomize(directory: Path) -> list[Doc]:
+    result = run([tool("kubectl"), "kustomize", str(directory)])
+    assert result.returncode == 0, f"kubectl kustomize {directory}:\n{result.stderr}"
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def composition(tmp: Path, overlay: str, components: list[str]) -> Path:
+    """A kustomization of a shipped overlay plus components (kustomize wants relative paths)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    rel = lambda p: os.path.relpath(p, tmp)  # noqa: E731
+    (tmp / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [rel(SHIPPED[overlay])],
+        "components": [rel(ISTIO / "components" / c) for c in components],
+    }))
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory: pytest.TempPathFactory) -> Rendered:
+    out = {name: kustomize(path) for name, path in SHIPPED.items()}
+    for name, (overlay, components) in WITH_COMPONENTS.items():
+        out[name] = kustomize(composition(tmp_path_factory.mktemp(name), overlay, components))
+    return out
+
+
+def of_kind(docs: list[Doc], kind: str, name: str | None = None) -> list[Doc]:
+    return [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+
+
+def one(docs: list[Doc], kind: str, name: str | None = None) -> Doc:
+    found = of_kind(docs, kind, name)
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
+    return found[0]
+
+
+def policy_of(docs: list[Doc], tmp: Path) -> tuple[Path, Policy]:
+    configmap = one([d for d in docs if d["metadata"]["name"].startswith("extproc-policy")], "ConfigMap")
+    path = tmp / "policy.yaml"
+    path.write_text(configmap["data"]["policy.yaml"])
+    return path, load_policy(str(path))
+
+
+def ext_proc_patches(docs: list[Doc]) -> list[tuple[str, dict[str, Any]]]:
+    """(context, filter) for every ext_proc filter an EnvoyFilter inserts."""
+    return [(p["match"]["context"], p["patch"]["value"])
+            for f in of_kind(docs, "EnvoyFilter") for p in f["spec"]["configPatches"]
+            if p["applyTo"] == "HTTP_FILTER" and p["patch"]["value"]["name"] == EXT_PROC]
+
+
+def seconds(duration: str) -> float:
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s|m|h)", duration)
+    assert match, f"not a duration: {duration}"
+    return float(match.group(1)) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[match.group(2)]
+
+
+def shipped_ext_proc() -> Doc:
+    config = yaml.safe_load((ROOT / "envoy" / "envoy.yaml").read_text())
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    typed: dict[str, Any] = next(f for f in hcm["http_filters"] if f["name"] == EXT_PROC)["typed_config"]
+    return typed
+
+
+# --- building and schemas -------------------------------------------------------------------
+
+
+def test_every_kustomization_is_covered() -> None:
+    found = {p.parent for p in ISTIO.rglob("kustomization.yaml")}
+    components = {ISTIO / "components" / c for _, cs in WITH_COMPONENTS.values() for c in cs}
+    assert found == set(SHIPPED.values()) | components, "add new kustomizations to SHIPPED/WITH_COMPONENTS"
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_builds_into_well_formed_unique_resources(rendered: Rendered, name: str) -> None:
+    docs = rendered[name]
+    assert docs
+    keys = []
+    for doc in docs:
+        for field in ("apiVersion", "kind"):
+            assert doc.get(field), doc
+        assert doc.get("metadata", {}).get("name"), doc
+        keys.append((doc["kind"], doc["metadata"].get("namespace"), doc["metadata"]["name"]))
+    assert len(keys) == len(set(keys)), f"duplicate resources in {name}"
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("name", ALL)
+def test_resources_validate_against_kubernetes_schemas(
+        rendered: Rendered, name: str, version: str) -> None:
+    problems, checked = [], 0
+    for doc in rendered[name]:
+        where = f"{doc['kind']}/{doc['metadata']['name']}"
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+            checked += 1
+        except kubernetes_validate.SchemaNotFoundError:
+            group = doc["apiVersion"].split("/")[0]
+            if group not in CRD_GROUPS:
+                problems.append(f"{where}: no schema for {doc['apiVersion']} (a typo, or a CRD not listed)")
+        except kubernetes_validate.ValidationError as exc:
+            problems.append(f"{where}: {exc.message} at {'.'.join(map(str, exc.path))}")
+    assert not problems, "\n".join(problems)
+    assert checked >= 5
+
+
+# --- the extproc Deployment and its neighbours ------------------------------------------------
+
+
+def test_deployment_is_hardened_and_drains_within_its_grace(rendered: Rendered) -> None:
+    docs = rendered["base"]
+    pod = one(docs, "Deployment", "extproc")["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    args = dict(a.removeprefix("--").split("=", 1) for a in container["args"] if a.startswith("--"))
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    probe_ports = {container[p]["httpGet"]["port"] for p in ("readinessProbe", "livenessProbe")}
+    assert probe_ports == {"http-metrics"}
+    assert args["http"].endswith(":9090")
+    assert args["grpc"].endswith(":50051")
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"grpc": 50051, "http-metrics": 9090}
+    for kind in ("requests", "limits"):
+        assert {"cpu", "memory"} <= set(container["resources"][kind])
+    # The kubelet must not SIGKILL before preStop + extproc's drain are over.
+    pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep"
+    assert pod["terminationGracePeriodSeconds"] > float(pre_stop[1]) + float(args["shutdown-grace"])
+    security = container["securityContext"]
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"]["drop"] == ["ALL"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    # The policy file extproc reads is the ConfigMap's policy.yaml.
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "policy")
+    assert args["policy"] == f"{mount['mountPath']}/policy.yaml"
+
+
+def test_a_policy_edit_rolls_the_deployment(tmp_path: Path) -> None:
+    """The ConfigMap's name carries its content hash, so a changed policy changes the pod template."""
+    copy_dir = tmp_path / "base"
+    shutil.copytree(ISTIO / "base", copy_dir)
+    policy = copy_dir / "policy.yaml"
+    policy.write_text(policy.read_text().replace("max_queued: 300", "max_queued: 301"))
+
+    def names(docs: list[Doc]) -> tuple[str, str]:
+        configmap = one([d for d in docs if d["metadata"]["name"].startswith("extproc-policy")], "ConfigMap")
+        volumes = one(docs, "Deployment", "extproc")["spec"]["template"]["spec"]["volumes"]
+        volume = next(v for v in volumes if v["name"] == "policy")
+        return configmap["metadata"]["name"], volume["configMap"]["name"]
+
+    before, after = names(kustomize(ISTIO / "base")), names(kustomize(copy_dir))
+    assert before[0] == before[1]
+    assert after[0] == after[1]
+    assert before[0] != after[0]
+    assert re.fullmatch(r"extproc-policy-[a-z0-9]{10}", before[0])
+
+
+def test_service_declares_grpc_for_istio(rendered: Rendered) -> None:
+    service = one(rendered["base"], "Service", "extproc")
+    grpc = [p for p in service["spec"]["ports"] if p["targetPort"] == "grpc"]
+    assert len(grpc) == 1
+    assert grpc[0].get("appProtocol") == "grpc" or grpc[0]["name"].startswith("grpc-")
+
+
+def test_destination_rule_never_caps_held_streams(rendered: Rendered,
+                                                   tmp_path: Path) -> None:
+    shipped = yaml.safe_load((ROOT / "envoy" / "envoy.yaml").read_text())
+    cluster = next(c for c in shipped["static_resources"]["clusters"] if c["name"] == "extproc")
+    shipped_max = cluster["circuit_breakers"]["thresholds"][0]["max_requests"]
+    for name in WIRED:
+        docs = rendered[name]
+        service = one(docs, "Service", "extproc")
+        rule = one(docs, "DestinationRule", "extproc")
+        assert rule["spec"]["host"] == f"extproc.{service['metadata']['namespace']}.svc.cluster.local"
+        pool = rule["spec"]["trafficPolicy"]["connectionPool"]
+        _, policy = policy_of(docs, tmp_path)
+        replicas = one(docs, "HorizontalPodAutoscaler", "extproc")["spec"]["maxReplicas"]
+        # Every held or in-flight request of every replica holds one stream.
+        queued = policy.capacity.max_queued or sum(lane.max_queued for lane in policy.lanes)
+        most = replicas * (policy.total_capacity + queued)
+        assert pool["http"]["http2MaxRequests"] >= max(shipped_max, most), name
+        assert pool["http"]["http1MaxPendingRequests"] >= max(shipped_max, most), name
+        assert pool["tcp"]["maxConnections"] >= shipped_max
+        assert pool["http"].get("maxRequestsPerConnection", 0) == 0
+
+
+def test_autoscaling_and_disruption_budget_fit_the_deployment(rendered: Rendered) -> None:
+    docs = rendered["base"]
+    deployment = one(docs, "Deployment", "extproc")
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    hpa, pdb = one(docs, "HorizontalPodAutoscaler", "extproc"), one(docs, "PodDisruptionBudget", "extproc")
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "extproc"}
+    assert "replicas" not in deployment["spec"], "the HPA owns the replica count"
+    assert hpa["spec"]["minReplicas"] >= 2 > pdb["spec"]["maxUnavailable"]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    # Without a shared store each replica enforces the limits alone: more replicas = more capacity.
+    help_text = run([sys.executable, "-m", "extproc", "serve", "--help"]).stdout
+    if "--store" not in help_text:
+        assert hpa["spec"]["maxReplicas"] == hpa["spec"]["minReplicas"], (
+            "limits are per replica until the shared store exists: autoscaling extproc would "
+            "multiply admitted capacity")
+
+
+def test_network_policies_admit_the_proxies_and_the_scrapers(rendered: Rendered) -> None:
+    for name in WIRED:
+        docs = rendered[name]
+        pod = one(docs, "Deployment", "extproc")["spec"]["template"]
+        named_ports = {p["name"] for c in pod["spec"]["containers"] for p in c["ports"]}
+        labels = pod["metadata"]["labels"].items()
+        extproc_policies = [p for p in of_kind(docs, "NetworkPolicy")
+                            if p["spec"]["podSelector"]["matchLabels"].items() <= labels]
+        assert extproc_policies, f"{name}: no NetworkPolicy for extproc"
+        ports = {port["port"] for p in extproc_policies
+                 for rule in p["spec"]["ingress"] for port in rule["ports"]}
+        assert ports == named_ports == {"grpc", "http-metrics"}
+
+
+# --- EnvoyFilters -----------------------------------------------------------------------------
+
+
+def test_envoyfilters_cover_gateway_and_sidecar_with_the_shipped_ext_proc_config(
+        rendered: Rendered, tmp_path: Path) -> None:
+    contexts = set()
+    expected = shipped_ext_proc()
+    for name in WIRED:
+        docs = rendered[name]
+        service = one(docs, "Service", "extproc")
+        port = next(p["port"] for p in service["spec"]["ports"] if p["targetPort"] == "grpc")
+        cluster = f"outbound|{port}||extproc.{service['metadata']['namespace']}.svc.cluster.local"
+        _, policy = policy_of(docs, tmp_path)
+        patches = ext_proc_patches(docs)
+        assert patches, f"{name}: no ext_proc EnvoyFilter"
+        for context, value in patches:
+            contexts.add(context)
+            typed = copy.deepcopy(value["typed_config"])
+            assert typed["grpc_service"]["envoy_grpc"]["cluster_name"] == cluster
+            assert typed.pop("forward_rules")["disallowed_headers"]["patterns"]  # mesh-only addition
+            typed["grpc_service"]["envoy_grpc"]["cluster_name"] = "extproc"
+            assert typed == expected, f"{name}: ext_proc config drifted from envoy/envoy.yaml"
+            # A hold can last as long as the policy allows, and no longer.
+            assert seconds(typed["max_message_timeout"]) == policy.capacity.max_hold, name
+    assert contexts == {"GATEWAY", "SIDECAR_INBOUND"}
+    for f in of_kind(rendered["gateway"] + rendered["sidecar"], "EnvoyFilter"):
+        for patch in f["spec"]["configPatches"]:
+            if patch["applyTo"] == "HTTP_FILTER":
+                assert patch["patch"]["operation"] == "INSERT_BEFORE"
+                assert patch["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"] == \
+                    "envoy.filters.http.router"
+
+
+def _static_cluster(name: str, port: int, *, http2: bool = False) -> Doc:
+    cluster: dict[str, Any] = {
+        "name": name, "type": "STATIC", "connect_timeout": "1s",
+        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}}]}]},
+    }
+    if http2:
+        options = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+        cluster["typed_extension_protocol_options"] = {options: {
+            "@type": f"type.googleapis.com/{options}",
+            "explicit_http_config": {"http2_protocol_options": {}}}}
+    return cluster
+
+
+def _merge(into: dict[str, Any], value: dict[str, Any]) -> None:
+    """Istio's MERGE: proto merge semantics (messages merge, scalars replace)."""
+    for key, item in value.items():
+        if isinstance(item, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], item)
+        else:
+            into[key] = copy.deepcopy(item)
+
+
+def envoy_bootstrap(envoyfilter: dict[str, Any]) -> Doc:
+    """A minimal bootstrap with every patch of one EnvoyFilter applied the way Istio would."""
+    http_filters: list[Doc] = []
+    hcm: dict[str, Any] = {"@type": HCM, "stat_prefix": "test"}
+    routes: list[Doc] = [{"name": "default", "match": {"prefix": "/"},
+                                     "route": {"cluster": "backend", "timeout": "0s"}}]
+    clusters = {"backend": _static_cluster("backend", 8000)}
+    for patch in envoyfilter["spec"]["configPatches"]:
+        apply_to, operation = patch["applyTo"], patch["patch"]["operation"]
+        value = copy.deepcopy(patch["patch"]["value"])
+        if apply_to == "HTTP_FILTER":
+            assert operation == "INSERT_BEFORE"
+            http_filters.append(value)
+            grpc = value["typed_config"].get("grpc_service", {}).get("envoy_grpc", {})
+            if grpc:
+                clusters[grpc["cluster_name"]] = _static_cluster(grpc["cluster_name"], 50051, http2=True)
+        elif apply_to == "NETWORK_FILTER":
+            assert operation == "MERGE"
+            assert value["typed_config"]["@type"] == HCM
+            _merge(hcm, value["typed_config"])
+        elif apply_to == "HTTP_ROUTE":
+            target = patch["match"]["routeConfiguration"]["vhost"]["route"]["name"]
+            if operation == "MERGE":
+                route = {"name": target, "match": {"path": f"/{target}"}, "route": {"cluster": "backend"}}
+                _merge(route, value)
+                routes.insert(0, route)
+            else:
+                assert operation == "INSERT_BEFORE"
+                index = next(i for i, r in enumerate(routes) if r["name"] == target)
+                routes.insert(index, value)
+                cluster = value["route"]["cluster"]
+                clusters.setdefault(cluster, _static_cluster(cluster, 8000))
+        else:
+            pytest.fail(f"no Envoy check for applyTo {apply_to}: extend envoy_bootstrap")
+    hcm["http_filters"] = [*http_filters, {"name": "envoy.filters.http.router", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]
+    hcm["route_config"] = {"name": "test",
+                           "virtual_hosts": [{"name": "test", "domains": ["*"], "routes": routes}]}
+    local = lambda: {"socket_address": {"address": "127.0.0.1", "port_value": free_port()}}  # noqa: E731
+    listener = {"name": "test", "address": local(), "filter_chains": [{"filters": [
+        {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}]}
+    return {"admin": {"address": local()},
+            "static_resources": {"listeners": [listener], "clusters": list(clusters.values())}}
+
+
+@pytest.mark.envoy
+def test_every_envoyfilter_patch_validates_with_the_real_envoy(
+        rendered: Rendered, tmp_path: Path) -> None:
+    filters = {(f["metadata"]["namespace"], f["metadata"]["name"]): f
+               for name in ALL for f in of_kind(rendered[name], "EnvoyFilter")}
+    assert len(filters) >= 2
+    running = []
+    for (namespace, name), envoyfilter in filters.items():
+        path = tmp_path / f"{namespace}-{name}.yaml"
+        path.write_text(yaml.safe_dump(envoy_bootstrap(envoyfilter)))
+        running.append((name, path, subprocess.Popen(
+            [envoy_binary(), "--mode", "validate", "-c", str(path), "--log-level", "warn"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+    for name, path, process in running:
+        output, _ = process.communicate(timeout=120)
+        assert process.returncode == 0, f"{name} ({path}):\n{output[-3000:]}"
+        assert "OK" in output, output
+
+
+def test_envoy_check_rejects_a_broken_patch(rendered: Rendered, tmp_path: Path) -> None:
+    """The Envoy check above can fail: a misspelled enum in the patch is refused."""
+    envoyfilter = copy.deepcopy(one(rendered["gateway"], "EnvoyFilter"))
+    for patch in envoyfilter["spec"]["configPatches"]:
+        if patch["applyTo"] == "HTTP_FILTER":
+            patch["patch"]["value"]["typed_config"]["processing_mode"]["response_trailer_mode"] = "SENT"
+    path = tmp_path / "broken.yaml"
+    path.write_text(yaml.safe_dump(envoy_bootstrap(envoyfilter)))
+    result = run([envoy_binary(), "--mode", "validate", "-c", str(path), "--log-level", "warn"])
+    assert result.returncode != 0
+
+
+def test_health_routes_skip_ext_proc_and_inference_routes_never_time_out(
+        rendered: Rendered) -> None:
+    docs = rendered["gateway"]
+    routes = {r["name"]: r for r in one(docs, "VirtualService", "inference")["spec"]["http"]}
+    opted_out = set()
+    for patch in one(docs, "EnvoyFilter")["spec"]["configPatches"]:
+        if patch["applyTo"] == "HTTP_ROUTE":
+            assert patch["patch"]["value"]["typed_per_filter_config"][EXT_PROC]["disabled"] is True
+            opted_out.add(patch["match"]["routeConfiguration"]["vhost"]["route"]["name"])
+    assert opted_out == {"health"}
+    assert opted_out <= set(routes)
+    assert routes["health"]["match"][0]["uri"]["exact"] == "/health"
+    inference = routes["inference"]
+    assert inference["timeout"] == "0s"
+    assert not re.search(r"5xx|gateway-error|retriable-status", inference["retries"]["retryOn"])
+    # The sidecar overlay adds its own /health route before Istio's inbound catch-all.
+    [route] = [p["patch"]["value"] for p in one(rendered["sidecar"], "EnvoyFilter")["spec"]["configPatches"]
+               if p["applyTo"] == "HTTP_ROUTE"]
+    assert route["match"] == {"path": "/health"}
+    assert route["typed_per_filter_config"][EXT_PROC]["disabled"] is True
+
+
+# --- policies ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", WIRED)
+def test_policy_in_the_configmap_passes_policy_check(rendered: Rendered, name: str,
+                                                     tmp_path: Path) -> None:
+    path, _ = policy_of(rendered[name], tmp_path)
+    result = run([sys.executable, "-m", "extproc", "policy", "check", str(path)])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert ": ok — " in result.stdout
+
+
+def test_seed_scenario_lanes_match_kueue_and_keda_targets_the_model_server(
+        rendered: Rendered, tmp_path: Path) -> None:
+    docs = rendered["seed-scenario"]
+    _, policy = policy_of(docs, tmp_path)
+    queues = {q["metadata"]["name"] for q in of_kind(docs, "ClusterQueue")}
+    assert queues == {f"inference-{lane.name}" for lane in policy.lanes}
+    assert {q["spec"]["cohort"] for q in of_kind(docs, "ClusterQueue")} == {"inference"}
+    local = {q["metadata"]["name"]: q["spec"]["clusterQueue"] for q in of_kind(docs, "LocalQueue")}
+    assert set(local.values()) == queues
+    scaled = one(docs, "ScaledObject")
+    target = one(docs, "Deployment", scaled["spec"]["scaleTargetRef"]["name"])
+    assert target["metadata"]["namespace"] == scaled["metadata"]["namespace"]
+    assert target["spec"]["template"]["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] in local
+    assert "replicas" not in target["spec"], "KEDA owns the model-server replica count"
+    queries = [t["metadata"]["query"] for t in scaled["spec"]["triggers"]]
+    assert any("inference_queue_wait_seconds_bucket" in query for query in queries)
+
+
+def test_redis_component_runs_with_a_real_redis_and_does_not_pretend(
+        rendered: Rendered, tmp_path: Path) -> None:
+    docs = rendered["gateway+redis"]
+    # The shared store does not exist yet: nothing may point extproc at Redis.
+    assert one(docs, "Deployment", "extproc") == one(rendered["gateway"], "Deployment", "extproc")
+    container = one(docs, "Deployment", "extproc-redis")["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"][0] == "redis-server"
+    port = free_port()
+    process = subprocess.Popen([tool("redis-server"), *container["args"][1:], "--port", str(port),
+                                "--bind", "127.0.0.1", "--dir", str(tmp_path)],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline, reply = time.monotonic() + 10, b""
+        while time.monotonic() < deadline and process.poll() is None:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
+                    sock.sendall(b"CONFIG GET maxmemory-policy\r\n")
+                    reply = sock.recv(256)
+                    break
+            except OSError:
+                time.sleep(0.05)
+        assert process.poll() is None, process.communicate()[0]
+        assert b"noeviction" in reply
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+# --- alerts, KEDA queries, dashboards ---------------------------------------------------------
+
+
+def rule_groups(docs: list[Doc]) -> list[Doc]:
+    groups: list[Doc] = one(docs, "PrometheusRule")["spec"]["groups"]
+    return groups
+
+
+def test_alert_rules_pass_promtool(rendered: Rendered, tmp_path: Path) -> None:
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(yaml.safe_dump({"groups": rule_groups(rendered["base"])}))
+    result = run([tool("promtool"), "check", "rules", str(rules)])
+    assert result.returncode == 0, result.stdout + result.stderr
+    alerts = {r["alert"] for g in rule_groups(rendered["base"]) for r in g["rules"] if "alert" in r}
+    assert {"InferenceQueueWaitP95High", "InferenceRejectionsRising", "InferenceKVCacheSaturated",
+            "InferencePendingRequestsGrowing"} <= alerts
+
+
+#: Synthetic series (one sample a minute) and the alerts they must raise, no more, no fewer.
+ALERT_CASES: dict[str, tuple[dict[str, str], str, list[dict[str, str]]]] = {
+    "InferenceQueueWaitP95High": ({
+        # interactive: every wait between 5 s and 10 s (p95 ≈ 9.75 s > 5 s); batch: under 1 s.
+        'inference_queue_wait_seconds_bucket{lane="interactive",le="5.0"}': "0+0x40",
+        'inference_queue_wait_seconds_bucket{lane="interactive",le="10.0"}': "0+10x40",
+        'inference_queue_wait_seconds_bucket{lane="interactive",le="+Inf"}': "0+10x40",
+        'inference_queue_wait_seconds_bucket{lane="batch",le="1.0"}': "0+10x40",
+        'inference_queue_wait_seconds_bucket{lane="batch",le="+Inf"}': "0+10x40",
+    }, "20m", [{"lane": "interactive", "severity": "warning"}]),
+    "InferenceRejectionsRising": ({
+        # batch: 20 of 120 finished decisions rejected; interactive: only draining rejections.
+        'inference_admission_decisions_total{lane="batch",outcome="admitted"}': "0+100x40",
+        'inference_admission_decisions_total{lane="batch",outcome="rejected"}': "0+20x40",
+        'inference_admission_decisions_total{lane="batch",outcome="queued"}': "0+50x40",
+        'inference_admission_rejections_total{lane="batch",reason="queue_full"}': "0+20x40",
+        'inference_admission_decisions_total{lane="interactive",outcome="admitted"}': "0+100x40",
+        'inference_admission_decisions_total{lane="interactive",outcome="rejected"}': "0+20x40",
+        'inference_admission_rejections_total{lane="interactive",reason="draining"}': "0+20x40",
+    }, "20m", [{"lane": "batch", "severity": "warning"}]),
+    "InferenceKVCacheSaturated": ({
+        'vllm:kv_cache_usage_perc{model_name="llama",pod="a"}': "0.99x40",
+        'vllm:kv_cache_usage_perc{model_name="llama",pod="b"}': "0.97x40",
+        'vllm:kv_cache_usage_perc{model_name="small",pod="c"}': "0.50x40",
+    }, "20m", [{"model_name": "llama", "severity": "warning"}]),
+    "InferencePendingRequestsGrowing": ({
+        'inference_pending_requests{lane="batch",pod="a"}': "0+2x60",
+        'inference_pending_requests{lane="interactive",pod="a"}': "50x60",
+    }, "40m", [{"lane": "batch", "severity": "warning"}]),
+    "ExtprocDown": ({'up{job="extproc",instance="a"}': "1x10 0x30"}, "30m", [{"severity": "critical"}]),
+    "ExtprocUndecidedRequests": ({'extproc_stream_errors_total{kind="undecided"}': "0x5 1x20",
+                                  'extproc_stream_errors_total{kind="exception"}': "0+1x25"},
+                                 "10m", [{"severity": "critical"}]),
+    "ExtprocSlotsReclaimed": ({"extproc_slots_reclaimed_total": "0x5 2x20"},
+                              "10m", [{"severity": "warning"}]),
+}
+
+
+def test_alerts_fire_on_the_situations_they_describe(rendered: Rendered,
+                                                     tmp_path: Path) -> None:
+    groups = copy.deepcopy(rule_groups(rendered["base"]))
+    alerts = {r["alert"] for g in groups for r in g["rules"] if "alert" in r}
+    assert alerts == set(ALERT_CASES), "every alert needs a case in ALERT_CASES"
+    for group in groups:
+        for rule in group["rules"]:
+            rule.pop("annotations", None)  # templated text; `promtool check rules` parses it
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": groups}))
+    tests = []
+    for alert, (series, at, expected) in ALERT_CASES.items():
+        tests.append({
+            "interval": "1m",
+            "input_series": [{"series": s, "values": v} for s, v in series.items()],
+            "alert_rule_test": [{"eval_time": at, "alertname": alert,
+                                 "exp_alerts": [{"exp_labels": labels} for labels in expected]},
+                                # Before anything happened: quiet.
+                                {"eval_time": "1m", "alertname": alert, "exp_alerts": []}],
+        })
+    tests.append({  # a healthy system raises nothing
+        "interval": "1m",
+        "input_series": [
+            {"series": 'up{job="extproc",instance="a"}', "values": "1x40"},
+            {"series": 'inference_pending_requests{lane="interactive"}', "values": "3 4 3 5 2 3 4 3 2 4x30"},
+            {"series": 'inference_admission_decisions_total{lane="interactive",outcome="admitted"}',
+             "values": "0+100x40"},
+            {"series": 'inference_admission_rejections_total{lane="interactive",reason="queue_full"}',
+             "values": "0+1x40"},
+            {"series": 'vllm:kv_cache_usage_perc{model_name="llama"}', "values": "0.7x40"},
+        ],
+        "alert_rule_test": [{"eval_time": "35m", "alertname": alert, "exp_alerts": []}
+                            for alert in sorted(alerts)],
+    })
+    spec = tmp_path / "alerts_test.yaml"
+    spec.write_text(yaml.safe_dump({"rule_files": ["rules.yaml"], "evaluation_interval": "30s",
+                                    "tests": tests}))
+    result = run([tool("promtool"), "test", "rules", str(spec)], cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("name", WIRED)
+def test_queue_wait_alerts_name_real_lanes_below_their_deadline(
+        rendered: Rendered, name: str, tmp_path: Path) -> None:
+    docs = rendered[name]
+    _, policy = policy_of(docs, tmp_path)
+    [rule] = [r for g in rule_groups(docs) for r in g["rules"]
+              if r.get("alert") == "InferenceQueueWaitP95High"]
+    thresholds = re.findall(r'lane="([^"]+)"\}\s*>\s*([\d.]+)', rule["expr"])
+    assert thresholds
+    for lane, threshold in thresholds:
+        assert float(threshold) < policy.lane(lane).deadline, f"{lane}: alert at or past its deadline"
+
+
+def metric_names(expr: str) -> set[str]:
+    """Metric names a PromQL expression selects (a small lexer: enough for these rules)."""
+    text = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)            # string literals
+    text = re.sub(r"\{[^}]*\}", "", text)                        # label matchers
+    text = re.sub(r"\[[^\]]*\]", "", text)                       # ranges and subqueries
+    text = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", text)
+    names = set()
+    for match in re.finditer(r"[a-zA-Z_:][a-zA-Z0-9_:]*", text):
+        following = text[match.end():].lstrip()
+        if following.startswith("(") or match.group().lower() in PROMQL_WORDS:
+            continue  # a function or aggregation, or a keyword
+        if match.start() > 0 and (text[match.start() - 1].isdigit() or text[match.start() - 1] == "."):
+            continue  # the unit of a number like 0.95 or 1e3
+        names.add(match.group())
+    return names
+
+
+def test_metric_name_lexer() -> None:
+    expr = ('histogram_quantile(0.95, sum by (lane, le) (rate(inference_queue_wait_seconds_bucket'
+            '{lane="a",le=~"1.*"}[5m]))) > 5 or vector(0) and on (lane) vllm:kv_cache_usage_perc '
+            '/ ignoring(x) group_left() lane:rec:ratio_5m offset 5m')
+    assert metric_names(expr) == {"inference_queue_wait_seconds_bucket", "vllm:kv_cache_usage_perc",
+                                  "lane:rec:ratio_5m"}
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
+    """Every sample name a real extproc (and the simulated vLLM backend) can export."""
+    stack = Stack(tmp_path_factory.mktemp("k8s-metrics"))
+    try:
+        backend = free_port()
+        stack.start("backend", [sys.executable, "-m", "extproc", "sim", "backend", "--profile", "test",
+                                "--listen", f"127.0.0.1:{backend}"])
+        http = free_port()
+        stack.extproc(ISTIO / "base" / "policy.yaml", free_port(), http)
+        wait_http(f"http://127.0.0.1:{backend}/health", proc=stack.processes[0].popen)
+        text = (httpx.get(f"http://127.0.0.1:{http}/metrics").text
+                + httpx.get(f"http://127.0.0.1:{backend}/metrics").text)
+    finally:
+        stack.stop()
+    suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"],
+                "summary": ["_sum", "_count"]}
+    names = set()
+    for family, kind in re.findall(r"^# TYPE (\S+) (\S+)$", text, flags=re.M):
+        # The text format names a counter's family with or without _total (client versions differ).
+        family = family.removesuffix("_total") if kind == "counter" else family
+        names.update(family + suffix for suffix in suffixes.get(kind, [""]))
+    return names
+
+
+def test_every_metric_used_by_alerts_keda_and_dashboards_is_exported(
+        rendered: Rendered, exported: set[str], tmp_path: Path) -> None:
+    assert {"inference_queue_wait_seconds_bucket", "inference_pending_requests",
+            "inference_admission_rejections_total", "vllm:kv_cache_usage_perc"} <= exported
+    groups = rule_groups(rendered["base"])
+    recorded = {r["record"] for g in groups for r in g["rules"] if "record" in r}
+    queries = {f"rule {r.get('alert') or r.get('record')}": r["expr"] for g in groups for r in g["rules"]}
+    for scaled in of_kind(rendered["seed-scenario"], "ScaledObject"):
+        for trigger in scaled["spec"]["triggers"]:
+            queries[f"KEDA {trigger['name']}"] = trigger["metadata"]["query"]
+    dashboard = json.loads((ROOT / "compose" / "grafana" / "dashboards" / "extproc.json").read_text())
+    for panel in dashboard["panels"]:
+        for i, target in enumerate(panel.get("targets", [])):
+            queries[f"dashboard {panel['title']} #{i}"] = target["expr"]
+    # Prometheus parses every query (KEDA's and the dashboard's too, as recording rules).
+    parse = tmp_path / "queries.yaml"
+    parse.write_text(yaml.safe_dump({"groups": [{"name": "parse", "rules": [
+        {"record": f"check:query_{i}", "expr": expr} for i, expr in enumerate(queries.values())]}]}))
+    result = run([tool("promtool"), "check", "rules", str(parse)])
+    assert result.returncode == 0, result.stdout + result.stderr
+    synthetic = {"up"}  # set by Prometheus for every target
+    missing = {where: sorted(metric_names(expr) - exported - recorded - synthetic)
+               for where, expr in queries.items()}
+    missing = {where: names for where, names in missing.items() if names}
+    assert not missing, f"metrics nothing exports: {missing}"
+    assert any(where.startswith("KEDA") for where in queries)
