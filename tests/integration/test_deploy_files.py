@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 import yaml
 
 from extproc import bootstrap
-from extproc.localstack import ROOT, Stack, envoy_binary, free_port, wait_http
+from extproc.localstack import ROOT, envoy_binary
 from extproc.settings import Address
 
 COMPOSE_ENVOY = ROOT / "envoy" / "compose.yaml"
@@ -72,32 +68,5 @@ def test_dockerfile_copies_files_that_exist() -> None:
                 assert (ROOT / source).exists(), f"Dockerfile copies {source}, which does not exist"
 
 
-@pytest.fixture(scope="module")
-def exported_metrics(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """What a real extproc and a real simulated backend export on /metrics."""
-    stack = Stack(tmp_path_factory.mktemp("metrics"))
-    try:
-        backend = free_port()
-        stack.start("backend", [sys.executable, "-m", "extproc", "sim", "backend", "--profile", "test",
-                                "--listen", f"127.0.0.1:{backend}"])
-        wait_http(f"http://127.0.0.1:{backend}/health", proc=stack.processes[-1].popen)
-        http = free_port()
-        stack.extproc(ROOT / "examples" / "demo-policy.yaml", free_port(), http)
-        yield (httpx.get(f"http://127.0.0.1:{http}/metrics").text
-               + httpx.get(f"http://127.0.0.1:{backend}/metrics").text)
-    finally:
-        stack.stop()
-
-
-def test_dashboard_uses_only_metrics_that_exist(exported_metrics: str) -> None:
-    families = set(re.findall(r"^# TYPE (\S+) ", exported_metrics, flags=re.M))
-    exprs = [t["expr"] for panel in json.loads(DASHBOARD.read_text())["panels"] for t in panel["targets"]]
-    used = {name for expr in exprs for name in METRIC.findall(expr)}
-    assert used, "the dashboard queries no extproc or vLLM metric"
-    for name in used:
-        base = re.sub(r"_(bucket|count|sum|total)$", "", name)
-        assert name in families or base in families, f"dashboard uses {name}, which nothing exports"
-    # The four signals SREs and autoscalers rely on are all on the dashboard.
-    for signal in ("inference_queue_wait_seconds_bucket", "inference_pending_requests",
-                   "vllm:kv_cache_usage_perc", "inference_admission_rejections_total"):
-        assert signal in used
+# The Grafana dashboard's queries are checked against a real extproc's /metrics, with the
+# alerts' and KEDA's, in test_k8s_manifests.py.
