@@ -28,20 +28,20 @@ class Controller:
                  rng: random.Random | None = None) -> None:
         self.scheduler = Scheduler(policy, rng)
         self.metrics = metrics
-        self._clock = clock
+        #: The current time in seconds: the clock itself, not a method wrapping it (read several
+        #: times per request).
+        self.now: Callable[[], float] = clock
         self._waiters: dict[int, asyncio.Future[Decision]] = {}
         self._wake = asyncio.Event()
-        self._idle = asyncio.Event()
-        self._idle.set()
+        # Set while nothing is in flight or queued. Made by the first wait_idle (only shutdown
+        # waits for idleness): until then submit and release skip keeping it up to date.
+        self._idle: asyncio.Event | None = None
         self._timer: asyncio.Task[None] | None = None
         metrics.watch(self.lanes, lambda: self.scheduler.draining)
 
     @property
     def policy(self) -> Policy:
         return self.scheduler.policy
-
-    def now(self) -> float:
-        return self._clock()
 
     def lanes(self) -> dict[str, LaneView]:
         return self.scheduler.snapshot(self.now())
@@ -65,6 +65,9 @@ class Controller:
 
     async def wait_idle(self, grace_s: float) -> bool:
         """Wait until nothing is in flight; False if the grace period passed first."""
+        if self._idle is None:
+            self._idle = asyncio.Event()
+            self._update_idle()
         try:
             async with asyncio.timeout(grace_s):
                 await self._idle.wait()
@@ -81,7 +84,8 @@ class Controller:
             self._waiters[decision.ticket.id] = asyncio.get_running_loop().create_future()
             self._wake.set()
         self._settle(evicted)
-        self._update_idle()
+        if self._idle is not None:
+            self._update_idle()
         return decision
 
     async def wait(self, ticket: Ticket) -> Decision:
@@ -96,22 +100,24 @@ class Controller:
         was_inflight = ticket.state is State.INFLIGHT
         now = self.now()
         if was_inflight and ticket.admitted_at is not None:
-            self.metrics.service_time.labels(ticket.lane).observe(now - ticket.admitted_at)
+            self.metrics.service_time_of(ticket.lane).observe(now - ticket.admitted_at)
         elif ticket.state is State.QUEUED:
-            self.metrics.decisions.labels(ticket.lane, Outcome.CANCELLED.value).inc()
+            self.metrics.decisions_of(ticket.lane, Outcome.CANCELLED.value).inc()
             self._waiters.pop(ticket.id, None)
         self._settle(self.scheduler.release(ticket, now, learn=learn))
-        self._update_idle()
+        if self._idle is not None:
+            self._update_idle()
 
     # -- internals --------------------------------------------------------------------
 
     def _record(self, decision: Decision) -> None:
         lane = decision.ticket.lane
-        self.metrics.decisions.labels(lane, decision.outcome.value).inc()
+        metrics = self.metrics
+        metrics.decisions_of(lane, decision.outcome.value).inc()
         if decision.outcome is Outcome.ADMITTED:
-            self.metrics.queue_wait.labels(lane).observe(decision.ticket.queue_wait)
+            metrics.queue_wait_of(lane).observe(decision.ticket.queue_wait)
         elif decision.reason is not None:
-            self.metrics.rejections.labels(lane, decision.reason.value).inc()
+            metrics.rejections_of(lane, decision.reason.value).inc()
 
     def _settle(self, decisions: Iterable[Decision]) -> None:
         for decision in decisions:
@@ -121,6 +127,8 @@ class Controller:
                 future.set_result(decision)
 
     def _update_idle(self) -> None:
+        if self._idle is None:
+            return
         if self.scheduler.total_inflight == 0 and self.scheduler.total_queued == 0:
             self._idle.set()
         else:

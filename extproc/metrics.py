@@ -9,6 +9,7 @@ pays nothing for them and they can never drift from the truth.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -19,6 +20,31 @@ from extproc.core.admission import LaneView
 #: Resolves both sub-second waits and multi-second ones up to the longest hold.
 WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 SERVICE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+_M = TypeVar("_M", Counter, Histogram)
+
+
+class Children(Generic[_M]):
+    """A labelled metric's children by label values, looked up once and then kept.
+
+    ``metric.labels(...)`` validates its arguments and takes a lock on every call; the request
+    path asks for the same few children (lanes × outcomes or reasons, all from the policy and
+    small enums) thousands of times a second. prometheus_client keeps every child it hands out
+    anyway, so keeping them here as well holds nothing extra.
+    """
+
+    __slots__ = ("_children", "metric")
+
+    def __init__(self, metric: _M) -> None:
+        self.metric: _M = metric
+        self._children: dict[tuple[str, ...], _M] = {}
+
+    def __call__(self, *values: str) -> _M:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self.metric.labels(*values)
+        return child
 
 
 class _StateCollector(Collector):
@@ -81,6 +107,11 @@ class Metrics:
             "extproc_slots_reclaimed", "Slots reclaimed by the lease backstop (their stream never ended).",
             registry=registry,
         )
+        # The request path goes through these (see Children); the metrics above stay the public handles.
+        self.queue_wait_of = Children(self.queue_wait)
+        self.service_time_of = Children(self.service_time)
+        self.decisions_of = Children(self.decisions)
+        self.rejections_of = Children(self.rejections)
 
     def watch(self, lanes: Callable[[], Mapping[str, LaneView]], draining: Callable[[], bool]) -> None:
         self.registry.register(_StateCollector(lanes, draining))

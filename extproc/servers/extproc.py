@@ -20,9 +20,8 @@ reliable "finished" signal, so the slot is released in ``finally``, once.
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import grpc
@@ -46,7 +45,6 @@ HOLD_MARGIN_S = 2.0
 _OVERWRITE = HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
 
 
-
 def _mode(request_body: ProcessingMode.BodySendMode.ValueType) -> ProcessingMode:
     # Every field spelled out: Envoy replaces the whole mode with an override.
     return ProcessingMode(
@@ -64,6 +62,12 @@ BODY_MODE = _mode(ProcessingMode.BUFFERED_PARTIAL)
 #: For a request decided on its headers: whatever the filter's static mode, skip the body.
 NO_BODY_MODE = _mode(ProcessingMode.NONE)
 
+#: The answer to request headers whose body is to be read, when no header needs removing (the
+#: usual case): built once and shared by every stream, since it never varies. Never mutated.
+_READ_BODY = pb.ProcessingResponse(mode_override=BODY_MODE)
+_READ_BODY.request_headers.response.header_mutation.SetInParent()
+_NO_BODY = BodyFacts()
+
 log = structlog.get_logger("extproc.decision")
 
 
@@ -71,10 +75,31 @@ def _header(key: str, value: str) -> HeaderValueOption:
     return HeaderValueOption(header=HeaderValue(key=key, raw_value=value.encode()), append_action=_OVERWRITE)
 
 
+def _continue(common: pb.CommonResponse, remove: list[str],
+              set_headers: Iterable[tuple[str, str]] = ()) -> None:
+    """Fill in a CONTINUE that drops ``remove`` and sets ``set_headers`` upstream.
+
+    Built in place (``add()`` and field assignment) rather than from nested constructor
+    calls: protobuf copies every sub-message passed to a constructor, which made building
+    the admit answer the most expensive part of it.
+    """
+    common.status = pb.CommonResponse.CONTINUE
+    mutation = common.header_mutation
+    mutation.SetInParent()
+    if remove:
+        mutation.remove_headers.extend(remove)
+    add = mutation.set_headers.add
+    for key, value in set_headers:
+        option = add(append_action=_OVERWRITE)
+        option.header.key = key
+        option.header.raw_value = value.encode()
+
+
 def _headers_of(message: pb.HttpHeaders) -> dict[str, str]:
     out: dict[str, str] = {}
     for h in message.headers.headers:
-        value = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+        raw = h.raw_value
+        value = raw.decode("utf-8", "replace") if raw else h.value
         key = h.key.lower()
         # Repeated headers are joined as HTTP allows; classification compares whole values.
         out[key] = f"{out[key]},{value}" if key in out else value
@@ -101,10 +126,18 @@ def error_body(reason: Reason, lane: str, retry_after: int | None) -> bytes:
 class _Request:
     """One HTTP request's life on one ext_proc stream."""
 
+    # One of these is made per request: slots spare it an instance __dict__.
+    __slots__ = ("body", "cls", "content_length", "headers", "model", "outcome", "p", "reason", "remove",
+                 "request_id", "ticket")
+
     def __init__(self, processor: ExternalProcessor) -> None:
         self.p = processor
         self.ticket: Ticket | None = None
-        self.facts: RequestFacts | None = None
+        #: The request's headers, once they came (None: the stream never got that far).
+        self.headers: dict[str, str] | None = None
+        self.request_id = ""
+        #: From the policy's model header, else from the body once it was read.
+        self.model: str | None = None
         self.body: BodyFacts | None = None
         self.cls: Classification | None = None
         self.outcome: Outcome | None = None
@@ -112,86 +145,87 @@ class _Request:
         self.remove: list[str] = []
         self.content_length: int | None = None
 
-    async def on_headers(self, message: pb.HttpHeaders) -> AsyncIterator[pb.ProcessingResponse]:
+    def on_headers(self, message: pb.HttpHeaders) -> pb.ProcessingResponse | None:
+        """The answer to the request headers, or None when the request is to be decided on them."""
         headers = _headers_of(message)
-        classifier = self.p.classifier
+        trusted = self.p.classifier.trusted
         # Client-sent x-extproc-* headers are dropped before anything reads them, unless trusted.
-        self.remove = [k for k in headers if k.startswith(HEADER_PREFIX) and not classifier.trusted(k)]
+        self.remove = [k for k in headers if k.startswith(HEADER_PREFIX) and not trusted(k)]
         for key in self.remove:
             del headers[key]
-        model_header = self.p.controller.policy.estimation.model_header
-        self.facts = RequestFacts(
-            method=headers.get(":method", ""),
-            path=headers.get(":path", ""),
-            headers=headers,
-            model=headers.get(model_header) if model_header else None,
-            request_id=headers.get("x-request-id", ""),
-        )
+        self.headers = headers
+        self.request_id = headers.get("x-request-id", "")
+        policy = self.p.controller.policy
+        model_header = policy.estimation.model_header
+        self.model = headers.get(model_header) if model_header else None
         try:
             self.content_length = int(headers.get("content-length", ""))
         except ValueError:
             self.content_length = None
-        if self.p.controller.policy.needs_body and not message.end_of_stream:
-            yield pb.ProcessingResponse(
-                request_headers=pb.HeadersResponse(response=self._common(admit=False)),
-                mode_override=BODY_MODE,
-            )
-            return
-        async for response in self._decide("request_headers"):
-            yield response
+        if policy.needs_body and not message.end_of_stream:
+            if not self.remove:
+                return _READ_BODY
+            response = pb.ProcessingResponse(mode_override=BODY_MODE)
+            _continue(response.request_headers.response, self.remove)
+            return response
+        return None
 
-    async def on_body(self, message: pb.HttpBody) -> AsyncIterator[pb.ProcessingResponse]:
-        if self.facts is None or self.ticket is not None or self.outcome is not None:
+    def on_body(self, message: pb.HttpBody) -> pb.ProcessingResponse | None:
+        """The answer to a body chunk, or None when the request is to be decided on this one."""
+        if self.headers is None or self.ticket is not None or self.outcome is not None:
             # Later chunks (not expected with BUFFERED_PARTIAL) pass untouched.
-            yield pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse()))
-            return
+            return _BODY_PASSTHROUGH
         limit = self.p.controller.policy.estimation.max_body_bytes
-        complete = message.end_of_stream and len(message.body) <= limit
-        self.body = read_body(message.body[:limit], complete, self.content_length)
-        async for response in self._decide("request_body"):
-            yield response
+        body = message.body
+        complete = message.end_of_stream and len(body) <= limit
+        self.body = read_body(body[:limit], complete, self.content_length)
+        return None
 
-    async def _decide(self, phase: str) -> AsyncIterator[pb.ProcessingResponse]:
-        assert self.facts is not None
+    def decide(self) -> Decision:
+        """Classify, estimate and submit: admitted, rejected, or queued (then Controller.wait decides)."""
+        headers = self.headers
+        assert headers is not None
+        body = self.body or _NO_BODY
+        if self.model is None:
+            self.model = body.model
+        facts = RequestFacts(method=headers.get(":method", ""), path=headers.get(":path", ""),
+                             headers=headers, model=self.model, request_id=self.request_id)
+        self.cls = cls = self.p.classifier.classify(facts)
         controller = self.p.controller
-        body = self.body or BodyFacts()
-        facts = self.facts
-        if facts.model is None and body.model is not None:
-            facts = self.facts = dataclasses.replace(facts, model=body.model)
-        self.cls = self.p.classifier.classify(facts)
         job = controller.scheduler.estimator.job(
             facts.model, body.prompt_chars, body.prompt_tokens, body.max_tokens
         )
-        decision = controller.submit(self.cls.lane, self.cls.tenant, job)
+        decision = controller.submit(cls.lane, cls.tenant, job)
         self.ticket = decision.ticket
-        if decision.outcome is Outcome.QUEUED:
-            hold = min(decision.ticket.deadline - controller.now() + HOLD_MARGIN_S,
-                       controller.policy.capacity.max_hold)
-            yield pb.ProcessingResponse(override_message_timeout=Duration(
-                seconds=int(hold), nanos=int((hold % 1) * 1e9)))
-            decision = await controller.wait(decision.ticket)
-        self.outcome, self.reason = decision.outcome, decision.reason
-        if decision.outcome is Outcome.ADMITTED:
-            common = self._common(admit=True, decision=decision)
-            if phase == "request_headers":
-                yield pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common),
-                                            mode_override=NO_BODY_MODE)
-            else:
-                yield pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
-        else:
-            yield self._reject(decision)
+        return decision
 
-    def _common(self, *, admit: bool, decision: Decision | None = None) -> pb.CommonResponse:
-        mutation = pb.HeaderMutation(remove_headers=self.remove)
-        if admit and decision is not None and self.cls is not None:
-            t = decision.ticket
-            mutation.set_headers.extend([
-                _header("x-extproc-lane", t.lane),
-                _header("x-extproc-tenant", t.tenant),
-                _header("x-extproc-queue-ms", str(round(t.queue_wait * 1000))),
-                _header("x-extproc-predicted-ms", str(round(t.predicted * 1000))),
-            ])
-        return pb.CommonResponse(status=pb.CommonResponse.CONTINUE, header_mutation=mutation)
+    def hold(self, decision: Decision) -> pb.ProcessingResponse:
+        """Keep Envoy's per-message timer from firing while the request waits for a slot."""
+        controller = self.p.controller
+        hold = min(decision.ticket.deadline - controller.now() + HOLD_MARGIN_S,
+                   controller.policy.capacity.max_hold)
+        return pb.ProcessingResponse(override_message_timeout=Duration(
+            seconds=int(hold), nanos=int((hold % 1) * 1e9)))
+
+    def answer(self, decision: Decision, phase: str) -> pb.ProcessingResponse:
+        """CONTINUE with the x-extproc-* headers, or the rejection, for a final decision."""
+        self.outcome, self.reason = decision.outcome, decision.reason
+        if decision.outcome is not Outcome.ADMITTED:
+            return self._reject(decision)
+        t = decision.ticket
+        response = pb.ProcessingResponse()
+        if phase == "request_headers":
+            common = response.request_headers.response
+            response.mode_override.CopyFrom(NO_BODY_MODE)
+        else:
+            common = response.request_body.response
+        _continue(common, self.remove, (
+            ("x-extproc-lane", t.lane),
+            ("x-extproc-tenant", t.tenant),
+            ("x-extproc-queue-ms", str(round(t.queue_wait * 1000))),
+            ("x-extproc-predicted-ms", str(round(t.predicted * 1000))),
+        ))
+        return response
 
     def _reject(self, decision: Decision) -> pb.ProcessingResponse:
         reason = decision.reason or Reason.QUEUE_FULL
@@ -221,40 +255,43 @@ class _Request:
             elif self.outcome is None:
                 self.outcome = Outcome.CANCELLED
             controller.release(ticket, learn=not aborted)
-        if self.facts is None:
+        if self.headers is None:
             return
         if ticket is None and not aborted:
             # The stream ended normally without a decision: the body we asked for never came,
             # so the request went upstream unadmitted. Envoy's filter needs allow_mode_override.
-            self.p.controller.metrics.stream_errors.labels("undecided").inc()
-            log.error("request was not decided: set allow_mode_override: true on the ext_proc filter "
-                      "(or request_body_mode: BUFFERED_PARTIAL)", request_id=self.facts.request_id)
+            controller.metrics.stream_errors.labels("undecided").inc()
+            self.p.log.error("request was not decided: set allow_mode_override: true on the ext_proc filter "
+                      "(or request_body_mode: BUFFERED_PARTIAL)", request_id=self.request_id)
+        cls = self.cls
         fields: dict[str, Any] = {
-            "request_id": self.facts.request_id,
-            "lane": self.cls.lane if self.cls else None,
-            "tenant": self.cls.tenant if self.cls else None,
-            "rule": self.cls.rule if self.cls else None,
+            "request_id": self.request_id,
+            "lane": cls.lane if cls else None,
+            "tenant": cls.tenant if cls else None,
+            "rule": cls.rule if cls else None,
             "outcome": self.outcome.value if self.outcome else "abandoned",
             "reason": self.reason.value if self.reason else None,
-            "model": self.facts.model,
+            "model": self.model,
         }
         if ticket is not None:
-            fields.update(
-                queue_ms=round(ticket.queue_wait * 1000),
-                predicted_ms=round(ticket.predicted * 1000),
-                service_ms=service_ms,
-                prompt_tokens=ticket.job.prompt_tokens,
-                output_tokens=ticket.job.output_tokens,
-            )
+            job = ticket.job
+            fields["queue_ms"] = round(ticket.queue_wait * 1000)
+            fields["predicted_ms"] = round(ticket.predicted * 1000)
+            fields["service_ms"] = service_ms
+            fields["prompt_tokens"] = job.prompt_tokens
+            fields["output_tokens"] = job.output_tokens
         if self.body is not None and self.body.note:
             fields["body"] = self.body.note
-        log.info("decision", **fields)
+        self.p.log.info("decision", **fields)
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(self, controller: Controller) -> None:
         self.controller = controller
         self.classifier = Classifier(controller.policy)
+        # A bound logger of our own (made after logging is configured): the module-level proxy
+        # would resolve itself again on each of the one-per-request decision lines.
+        self.log: structlog.typing.FilteringBoundLogger = log.bind()
 
     def reconfigure(self) -> None:
         self.classifier = Classifier(self.controller.policy)
@@ -264,19 +301,26 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         request_iterator: AsyncIterator[pb.ProcessingRequest],
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[pb.ProcessingResponse]:
+        # One flat async generator per stream: every message passes through here, and each level
+        # of nested async generators would add its own resume/suspend cost to every message.
         request = _Request(self)
         aborted = True
         try:
             async for message in request_iterator:
                 kind = message.WhichOneof("request")
                 if kind == "request_headers":
-                    async for response in request.on_headers(message.request_headers):
-                        yield response
+                    response = request.on_headers(message.request_headers)
                 elif kind == "request_body":
-                    async for response in request.on_body(message.request_body):
-                        yield response
+                    response = request.on_body(message.request_body)
                 else:
-                    yield _passthrough(kind)
+                    response = _passthrough(kind)
+                if response is None:
+                    decision = request.decide()
+                    if decision.outcome is Outcome.QUEUED:
+                        yield request.hold(decision)
+                        decision = await self.controller.wait(decision.ticket)
+                    response = request.answer(decision, kind)
+                yield response
             aborted = False
         except Exception:
             self.controller.metrics.stream_errors.labels("exception").inc()
@@ -288,7 +332,14 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
 
 
 def _passthrough(kind: str | None) -> pb.ProcessingResponse:
-    """An empty answer of the right kind for messages extproc does not act on."""
+    """An empty answer of the right kind for messages extproc does not act on (shared, never mutated)."""
+    response = _PASSTHROUGH.get(kind)
+    if response is None:
+        response = _PASSTHROUGH[kind] = _empty_answer(kind)
+    return response
+
+
+def _empty_answer(kind: str | None) -> pb.ProcessingResponse:
     response = pb.ProcessingResponse()
     if kind in ("request_trailers", "response_trailers"):
         getattr(response, kind).SetInParent()
@@ -296,3 +347,7 @@ def _passthrough(kind: str | None) -> pb.ProcessingResponse:
         getattr(response, kind).response.SetInParent()
     return response
 
+
+#: One prebuilt answer per message kind: ``kind`` is one of ProcessingRequest's few oneof names.
+_PASSTHROUGH: dict[str | None, pb.ProcessingResponse] = {}
+_BODY_PASSTHROUGH = _passthrough("request_body")
