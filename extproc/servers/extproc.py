@@ -21,6 +21,7 @@ reliable "finished" signal, so the slot is released in ``finally``, once.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
@@ -127,8 +128,8 @@ class _Request:
     """One HTTP request's life on one ext_proc stream."""
 
     # One of these is made per request: slots spare it an instance __dict__.
-    __slots__ = ("body", "cls", "content_length", "headers", "model", "outcome", "p", "reason", "remove",
-                 "request_id", "ticket")
+    __slots__ = ("arrival", "body", "cls", "content_length", "headers", "model", "outcome", "p", "reason",
+                 "remove", "request_id", "ticket")
 
     def __init__(self, processor: ExternalProcessor) -> None:
         self.p = processor
@@ -144,9 +145,12 @@ class _Request:
         self.reason: Reason | None = None
         self.remove: list[str] = []
         self.content_length: int | None = None
+        #: Wall-clock arrival (epoch seconds): lets the decision log be replayed as a trace.
+        self.arrival = 0.0
 
     def on_headers(self, message: pb.HttpHeaders) -> pb.ProcessingResponse | None:
         """The answer to the request headers, or None when the request is to be decided on them."""
+        self.arrival = time.time()
         headers = _headers_of(message)
         trusted = self.p.classifier.trusted
         # Client-sent x-extproc-* headers are dropped before anything reads them, unless trusted.
@@ -258,12 +262,14 @@ class _Request:
         if self.headers is None:
             return
         if ticket is None and not aborted:
-            # The stream ended normally without a decision: the body we asked for never came,
-            # so the request went upstream unadmitted. Envoy's filter needs allow_mode_override.
+            # The stream ended normally without a decision. Either the client went away before
+            # its body came (harmless), or the filter ignored our body-mode override and the
+            # request went upstream undecided: a steady count means allow_mode_override is off.
             controller.metrics.stream_errors.labels("undecided").inc()
-            self.p.log.error("request was not decided: set allow_mode_override: true on the ext_proc filter "
-                      "(or request_body_mode: BUFFERED_PARTIAL)", request_id=self.request_id)
+            self.p.log.warning("stream ended before a decision: client gone before its body, or the "
+                               "ext_proc filter lacks allow_mode_override", request_id=self.request_id)
         cls = self.cls
+        headers = self.headers
         fields: dict[str, Any] = {
             "request_id": self.request_id,
             "lane": cls.lane if cls else None,
@@ -272,6 +278,12 @@ class _Request:
             "outcome": self.outcome.value if self.outcome else "abandoned",
             "reason": self.reason.value if self.reason else None,
             "model": self.model,
+            # What a replay needs to classify the request again: when it came, where to, and
+            # the headers the policy trusts (never the others: they may carry credentials).
+            "arrival": round(self.arrival, 3),
+            "method": headers.get(":method", ""),
+            "path": headers.get(":path", "").split("?", 1)[0],
+            "headers": {k: headers[k] for k in self.p.controller.policy.trusted_headers if k in headers},
         }
         if ticket is not None:
             job = ticket.job

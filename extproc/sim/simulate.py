@@ -268,17 +268,19 @@ def tenant_shares(run: Run, policy: Policy) -> dict[str, dict[str, tuple[float, 
 
 
 def read_requests(path: str | Path) -> list[Request]:
-    """A trace: the JSONL of ``extproc sim load --write-trace``, or extproc's own decision log."""
-    rows: list[Request] = []
+    """A trace: the JSONL of ``extproc sim load --write-trace``, or extproc's own (JSON) log."""
     with Path(path).open() as source:
-        first = source.readline()
+        first = next((line for line in source if line.strip()), "")
         source.seek(0)
-        if '"event": "decision"' in first or '"event":"decision"' in first:
+        try:
+            is_log = "event" in json.loads(first)
+        except (ValueError, TypeError):
+            is_log = False
+        if is_log:
             return list(requests_from_decision_log(source))
     from extproc.sim.workload import read_trace
 
-    rows.extend(read_trace(path))
-    return rows
+    return list(read_trace(path))
 
 
 def requests_from_decision_log(lines: Iterable[str]) -> Iterator[Request]:
@@ -366,7 +368,11 @@ def command(args: argparse.Namespace) -> int:
     except PolicyError as exc:
         print(exc, file=sys.stderr)
         return 2
-    requests, duration, spec = _requests(args, profile)
+    try:
+        requests, duration, spec = _requests(args, profile)
+    except (OSError, ValueError) as exc:
+        print(f"extproc simulate: {exc}", file=sys.stderr)
+        return 2
     simulator = Simulator(profile, time_scale=args.time_scale, client=spec.client, seed=args.seed)
     default_slo = Slo(ttft=2.0, e2e=120.0)
     slos = {c.name: Slo(c.slo.ttft, c.slo.e2e) for c in spec.classes}

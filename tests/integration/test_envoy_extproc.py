@@ -317,3 +317,27 @@ def test_observed_service_times_teach_the_estimate(make_env: Callable[..., Env])
     assert first == 20
     # 400 ms observed for 10 requested tokens: the learned cost moves toward 40 ms/token.
     assert later >= 150
+
+
+def test_decision_log_replays_in_the_simulator(env: Env, tmp_path: Path) -> None:
+    for i in range(5):
+        r = post(env, f"/interactive/{i}", chat(max_tokens=40), headers={"x-tenant-id": "acme"})
+        assert r.status_code == 200
+    log_text = next(p for p in env.stack.processes if p.name == "extproc").output()
+    records = [json.loads(line) for line in log_text.splitlines()
+               if line.startswith("{") and '"event": "decision"' in line]
+    last = records[-1]
+    assert last["path"] == "/interactive/4"
+    assert last["method"] == "POST"
+    assert last["headers"] == {"x-tenant-id": "acme"}  # trusted headers only
+    assert last["output_tokens"] == 40
+    log_file = tmp_path / "decisions.log"
+    log_file.write_text(log_text)
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(POLICY)
+    result = subprocess.run(
+        [sys.executable, "-m", "extproc", "simulate", "--policy", str(policy), "--trace", str(log_file),
+         "--profile", "test", "--time-scale", "0.1"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert f"{len(records)} requests" in result.stdout
+    assert "interactive" in result.stdout
