@@ -144,8 +144,10 @@ def main() -> int:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(doc, indent=1))
-    _plot(points, out.with_suffix(".png"), capacity)
+    # Not with_suffix: an OUT such as outcomes-1.5x would lose its ".5x".
+    json_path, png_path = out.parent / f"{out.name}.json", out.parent / f"{out.name}.png"
+    json_path.write_text(json.dumps(doc, indent=1))
+    _plot(points, png_path, capacity)
     _print(points, targets)
     return 0
 

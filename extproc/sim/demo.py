@@ -143,6 +143,8 @@ def command(args: argparse.Namespace) -> int:
     print(table(baseline, extproc))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    # Not with_suffix: an OUT such as outcomes-1.5x would lose its ".5x".
+    json_path, png_path = out.parent / f"{out.name}.json", out.parent / f"{out.name}.png"
     doc = {
         "profile": profile.name, "time_scale": args.time_scale, "capacity_rps": capacity, "load": args.load,
         "rate_rps": rate, "duration_s": args.duration, "requests": len(requests), "seed": args.seed,
@@ -150,9 +152,9 @@ def command(args: argparse.Namespace) -> int:
         "runs": {r.name: _run_doc(r) for r in (baseline, extproc)},
         "elapsed_s": round(time.monotonic() - started, 1),
     }
-    out.with_suffix(".json").write_text(json.dumps(doc, indent=1))
+    json_path.write_text(json.dumps(doc, indent=1))
     title = (f"{len(requests)} requests at {args.load:g}x capacity "
              f"({profile.name}, time scale {args.time_scale})")
-    drawn = plot(baseline, extproc, out.with_suffix(".png"), title)
-    print(f"\nwrote {out.with_suffix('.json')}" + (f" and {out.with_suffix('.png')}" if drawn else ""))
+    drawn = plot(baseline, extproc, png_path, title)
+    print(f"\nwrote {json_path}" + (f" and {png_path}" if drawn else ""))
     return 0
