@@ -323,9 +323,16 @@ def test_decision_log_replays_in_the_simulator(env: Env, tmp_path: Path) -> None
     for i in range(5):
         r = post(env, f"/interactive/{i}", chat(max_tokens=40), headers={"x-tenant-id": "acme"})
         assert r.status_code == 200
-    log_text = next(p for p in env.stack.processes if p.name == "extproc").output()
-    records = [json.loads(line) for line in log_text.splitlines()
-               if line.startswith("{") and '"event": "decision"' in line]
+    extproc = next(p for p in env.stack.processes if p.name == "extproc")
+    # A request's record is written when its ext_proc stream ends, just after the response.
+    deadline = time.monotonic() + 10
+    while True:
+        log_text = extproc.output()
+        records = [json.loads(line) for line in log_text.splitlines()
+                   if line.startswith("{") and '"event": "decision"' in line]
+        if (records and records[-1]["path"] == "/interactive/4") or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     last = records[-1]
     assert last["path"] == "/interactive/4"
     assert last["method"] == "POST"
