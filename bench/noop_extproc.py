@@ -33,6 +33,11 @@ BODY_MODE = ProcessingMode(
     request_trailer_mode=ProcessingMode.SKIP,
     response_trailer_mode=ProcessingMode.SEND,
 )
+#: What extproc sends with a decision made on the headers: skip the body, whatever the filter's
+#: static mode (envoy.yaml reads bodies by default), so the headers-only pair is like for like.
+NO_BODY_MODE = ProcessingMode()
+NO_BODY_MODE.CopyFrom(BODY_MODE)
+NO_BODY_MODE.request_body_mode = ProcessingMode.NONE
 _CONTINUE = pb.CommonResponse(status=pb.CommonResponse.CONTINUE)
 
 
@@ -52,7 +57,7 @@ class NoopProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 if self.read_body and not message.request_headers.end_of_stream:
                     yield pb.ProcessingResponse(request_headers=headers, mode_override=BODY_MODE)
                 else:
-                    yield pb.ProcessingResponse(request_headers=headers)
+                    yield pb.ProcessingResponse(request_headers=headers, mode_override=NO_BODY_MODE)
             elif kind == "request_body":
                 yield pb.ProcessingResponse(request_body=pb.BodyResponse(response=_CONTINUE))
             elif kind in ("request_trailers", "response_trailers"):
