@@ -28,7 +28,7 @@ from typing import Any
 
 from extproc.sim import demo
 from extproc.sim.profiles import get_profile
-from extproc.sim.report import Summary
+from extproc.sim.report import Summary, fmt_seconds
 from extproc.sim.simulate import capacity_rps
 from extproc.sim.workload import generate, load_spec
 
@@ -152,10 +152,6 @@ def main() -> int:
     return 0
 
 
-def _fmt(value: float | None, unit: str = "s") -> str:
-    return "-" if value is None else f"{value:.2f}{unit}"
-
-
 def _print(points: list[dict[str, Any]], targets: list[dict[str, Any]]) -> None:
     print(
         f"{'load':>5} {'run':<9} {'inter TTFT p50':>15} {'inter TTFT p99':>15} {'inter goodput':>14} "
@@ -166,7 +162,8 @@ def _print(points: list[dict[str, Any]], targets: list[dict[str, Any]]) -> None:
             run = p["runs"][name]
             inter = run["lanes"]["interactive"]
             print(
-                f"{p['load']:>4g}x {name:<9} {_fmt(inter['ttft_p50']):>15} {_fmt(inter['ttft_p99']):>15} "
+                f"{p['load']:>4g}x {name:<9} {fmt_seconds(inter['ttft_p50']):>15} "
+                f"{fmt_seconds(inter['ttft_p99']):>15} "
                 f"{inter['goodput_rps']:>12.1f}/s {run['overall']['goodput_rps']:>10.1f}/s "
                 f"{run['overall']['rejection_rate']:>9.0%} {run['overall']['attempts_per_request']:>9.2f}"
             )

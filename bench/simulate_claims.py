@@ -29,7 +29,7 @@ from typing import Any
 
 from extproc.policy import Policy, load_policy
 from extproc.sim.profiles import get_profile
-from extproc.sim.report import Result, Slo, grouped, length_class, summarise
+from extproc.sim.report import Result, Slo, fmt_seconds, grouped, length_class, summarise
 from extproc.sim.simulate import Simulator, capacity_rps, fifo_policy
 from extproc.sim.workload import Client, TrafficClass, generate, load_spec
 
@@ -208,28 +208,24 @@ def main() -> int:
     return 0
 
 
-def _s(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}s"
-
-
 def _report(doc: dict[str, Any]) -> None:
     sjf = doc["sjf_vs_fifo"]
     print("demo policy, FIFO queues -> slack-weighted SJF, chatbot mix at 1.5x "
           f"({sjf['requests']} requests):")
     for group in ("all", "short", "long"):
         f, s = sjf["fifo"][group], sjf["sjf"][group]
-        print(f"  {group:<6} TTFT p99 {_s(f['ttft']['p99'])} -> {_s(s['ttft']['p99'])}   "
-              f"E2E p99 {_s(f['e2e']['p99'])} -> {_s(s['e2e']['p99'])}   "
+        print(f"  {group:<6} TTFT p99 {fmt_seconds(f['ttft']['p99'])} -> {fmt_seconds(s['ttft']['p99'])}   "
+              f"E2E p99 {fmt_seconds(f['e2e']['p99'])} -> {fmt_seconds(s['e2e']['p99'])}   "
               f"served {f['ok']} -> {s['ok']} of {f['requests']}")
     print(f"  long jobs' E2E p99, SJF / FIFO = {sjf['long_p99_e2e_sjf_over_fifo']:.2f} (must be <= 1.5)")
     print("one lane, 120 s deadline, sustained 1.5x (long jobs' E2E p99 by sjf_weight):")
     for name, groups in doc["sjf_weight_sensitivity_one_lane"].items():
         long_p99, short_p99 = groups["long"]["e2e"]["p99"], groups["short"]["e2e"]["p99"]
-        print(f"  {name:<14} long {_s(long_p99)}  short {_s(short_p99)}")
+        print(f"  {name:<14} long {fmt_seconds(long_p99)}  short {fmt_seconds(short_p99)}")
     print("overload (interactive TTFT p99 / goodput all lanes):")
     for row in doc["overload"]:
         cells = "   ".join(
-            f"{name} {_s(row[name]['interactive_ttft_p99'])} / {row[name]['goodput_rps']:.1f}/s"
+            f"{name} {fmt_seconds(row[name]['interactive_ttft_p99'])} / {row[name]['goodput_rps']:.1f}/s"
             for name in ("none", "fifo_cap", "policy")
         )
         print(f"  {row['load']:>3}x  {cells}")
@@ -239,7 +235,8 @@ def _report(doc: dict[str, Any]) -> None:
         print("simulator vs live demo (TTFT):")
         for key, v in doc["fidelity_vs_live_demo"].items():
             ratio = "-" if v["ratio"] is None else f"{v['ratio']:.2f}"
-            print(f"  {key:<48} sim {_s(v['simulated'])}  live {_s(v['live'])}  ratio {ratio}")
+            sim, live = fmt_seconds(v["simulated"]), fmt_seconds(v["live"])
+            print(f"  {key:<48} sim {sim}  live {live}  ratio {ratio}")
 
 
 def _plot(doc: dict[str, Any], path: Path) -> None:

@@ -23,8 +23,6 @@ class RequestFacts:
     headers: Mapping[str, str]
     """Lower-cased header names; untrusted ones may be present but are never read here."""
     model: str | None = None
-    prompt_tokens: int = 0
-    max_tokens: int | None = None
     request_id: str = ""
 
 

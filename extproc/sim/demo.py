@@ -24,7 +24,7 @@ from extproc import localstack
 from extproc.sim.load import progress_printer
 from extproc.sim.load import run as run_load
 from extproc.sim.profiles import get_profile
-from extproc.sim.report import Result, Slo, Summary, grouped, side_by_side, summarise
+from extproc.sim.report import Result, Slo, Summary, fmt_seconds, grouped, side_by_side, summarise
 from extproc.sim.simulate import capacity_rps
 from extproc.sim.workload import Request, WorkloadSpec, generate, load_spec
 
@@ -64,10 +64,6 @@ def run_once(name: str, args: argparse.Namespace, requests: list[Request], spec:
                      summarise(results, slos, args.duration))
 
 
-def _fmt_s(value: float | None) -> str:
-    return "-" if value is None else (f"{value:.2f}s" if value < 10 else f"{value:.1f}s")
-
-
 def table(baseline: RunResult, extproc: RunResult) -> str:
     return side_by_side({run.name: (run.classes, run.overall) for run in (baseline, extproc)})
 
@@ -92,8 +88,9 @@ def plot(baseline: RunResult, extproc: RunResult, path: Path, title: str) -> boo
                        label="rejected (at arrival)")
         ax.set_yscale("log")
         ax.set_xlabel("arrival time (s)")
-        ax.set_title(f"{run.name}: interactive TTFT p99 {_fmt_s(run.classes['interactive'].ttft.get('p99'))}"
-                     if "interactive" in run.classes else run.name)
+        interactive = run.classes.get("interactive")
+        ax.set_title(f"{run.name}: interactive TTFT p99 {fmt_seconds(interactive.ttft.get('p99'))}"
+                     if interactive is not None else run.name)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("time to first token (s, log)")
     axes[1].legend(loc="upper left", markerscale=3)

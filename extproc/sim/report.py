@@ -133,7 +133,7 @@ def grouped(results: Iterable[Result], slos: Mapping[str, Slo], duration: float,
     return {name: summarise(rows, slos, duration) for name, rows in sorted(groups.items())}
 
 
-def _seconds(value: float | None) -> str:
+def fmt_seconds(value: float | None) -> str:
     if value is None:
         return "-"
     return f"{value:.2f}s" if value < 10 else f"{value:.1f}s"
@@ -141,11 +141,11 @@ def _seconds(value: float | None) -> str:
 
 #: Rows of a side-by-side table: label and how to show one Summary's value.
 _ROWS: tuple[tuple[str, Callable[[Summary], str]], ...] = (
-    ("queue wait p50", lambda s: _seconds(s.queue_wait.get("p50"))),
-    ("queue wait p99", lambda s: _seconds(s.queue_wait.get("p99"))),
-    ("TTFT p50", lambda s: _seconds(s.ttft.get("p50"))),
-    ("TTFT p99", lambda s: _seconds(s.ttft.get("p99"))),
-    ("E2E p99", lambda s: _seconds(s.e2e.get("p99"))),
+    ("queue wait p50", lambda s: fmt_seconds(s.queue_wait.get("p50"))),
+    ("queue wait p99", lambda s: fmt_seconds(s.queue_wait.get("p99"))),
+    ("TTFT p50", lambda s: fmt_seconds(s.ttft.get("p50"))),
+    ("TTFT p99", lambda s: fmt_seconds(s.ttft.get("p99"))),
+    ("E2E p99", lambda s: fmt_seconds(s.e2e.get("p99"))),
     ("goodput", lambda s: f"{s.goodput_rps:.1f}/s"),
     ("rejected (429)", lambda s: f"{s.rejection_rate:.0%}"),
     ("failed/timed out", lambda s: str(s.errors + s.timeouts)),
