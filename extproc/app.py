@@ -19,9 +19,12 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_gr
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
+from extproc.admin import Admin
 from extproc.controller import Controller
 from extproc.metrics import Metrics
 from extproc.policy.schema import Policy
+from extproc.policy.watcher import PolicyFile, ReloadResult
+from extproc.servers import admin as admin_http
 from extproc.servers import http
 from extproc.servers.extproc import ExternalProcessor
 from extproc.settings import Settings
@@ -42,11 +45,26 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
 
+    if settings.admin_exposed and not settings.admin_token:
+        raise StartupError(f"the admin port {settings.admin} is not on loopback: set a token "
+                           f"(EXTPROC_ADMIN_TOKEN or --admin-token-file) or listen on 127.0.0.1")
     registry = CollectorRegistry()
     metrics = Metrics(registry)
     rng = random.Random(settings.seed) if settings.seed is not None else None
     controller = Controller(policy, metrics, rng=rng)
     processor = ExternalProcessor(controller)
+    controller.on_reconfigure.append(lambda _: processor.reconfigure())
+
+    def reloaded(result: ReloadResult) -> None:
+        metrics.policy_reloads.labels("ok" if result.ok else "error").inc()
+        metrics.policy_reload_failing.set(0 if result.ok else 1)
+        if result.ok:
+            metrics.policy_loaded.set_to_current_time()
+
+    policy_file = PolicyFile(settings.policy, policy, controller.reconfigure, on_result=reloaded)
+    metrics.policy_loaded.set(policy_file.loaded_at)
+    with contextlib.suppress(NotImplementedError, RuntimeError, AttributeError):
+        loop.add_signal_handler(signal.SIGHUP, lambda: policy_file.reload("sighup"))
 
     server = grpc.aio.server()
     ext_proc_grpc.add_ExternalProcessorServicer_to_server(processor, server)
@@ -71,13 +89,28 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
     except OSError as exc:
         await runner.cleanup()
         raise StartupError(f"cannot listen for HTTP on {settings.http}: {exc.strerror}") from None
+    admin_runner: web.AppRunner | None = None
+    if settings.admin is not None:
+        admin = Admin(controller, policy_file)
+        admin_runner = web.AppRunner(admin_http.build_app(admin, settings.admin_token), access_log=None)
+        await admin_runner.setup()
+        try:
+            await web.TCPSite(admin_runner, settings.admin.host, settings.admin.port).start()
+        except OSError as exc:
+            await admin_runner.cleanup()
+            await runner.cleanup()
+            raise StartupError(f"cannot listen for admin HTTP on {settings.admin}: {exc.strerror}") from None
+    watcher = (loop.create_task(policy_file.watch(settings.watch_interval_s), name="extproc-policy-watch")
+               if settings.watch_interval_s > 0 else None)
 
     await server.start()
     controller.start()
     for name in ("", EXT_PROC_SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("serving", grpc=str(settings.grpc), http=str(settings.http), policy=settings.policy,
-             lanes=[lane.name for lane in policy.lanes], capacity=policy.total_capacity)
+    log.info("serving", grpc=str(settings.grpc), http=str(settings.http),
+             admin=str(settings.admin) if settings.admin else None, policy=settings.policy,
+             lanes=[lane.name for lane in policy.lanes], capacity=policy.total_capacity,
+             shadow=policy.shadow or [lane.name for lane in policy.lanes if lane.shadow])
     try:
         await stop.wait()
     finally:
@@ -91,5 +124,11 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
             log.warning("grace period over", inflight=controller.scheduler.total_inflight)
         await server.stop(grace=1.0)
         await controller.stop()
+        if watcher is not None:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+        if admin_runner is not None:
+            await admin_runner.cleanup()
         await runner.cleanup()
         log.info("stopped")

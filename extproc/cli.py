@@ -21,6 +21,21 @@ def _address(text: str) -> Address:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _optional_address(text: str) -> Address | None:
+    return None if text.strip().lower() in ("off", "none", "") else _address(text)
+
+
+def _admin_token(args: argparse.Namespace) -> str | None:
+    """The admin token, from --admin-token-file or EXTPROC_ADMIN_TOKEN (not a flag: ps shows flags)."""
+    if args.admin_token_file:
+        with open(args.admin_token_file, encoding="utf-8") as file:
+            token = file.read().strip()
+        if not token:
+            raise ValueError(f"the admin token file {args.admin_token_file} is empty")
+        return token
+    return env("ADMIN_TOKEN", "").strip() or None
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from extproc import app, log
     from extproc.policy import PolicyError, load_policy
@@ -37,8 +52,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         for problem in exc.problems:
             print(f"  {problem}", file=sys.stderr)
         return EXIT_BAD_POLICY
+    try:
+        token = _admin_token(args)
+    except (OSError, ValueError) as exc:
+        print(f"extproc: cannot read the admin token: {exc}", file=sys.stderr)
+        return EXIT_STARTUP
     settings = Settings(policy=args.policy, grpc=args.grpc, http=args.http, log_format=args.log_format,
-                        log_level=args.log_level, shutdown_grace_s=args.shutdown_grace, seed=args.seed)
+                        log_level=args.log_level, shutdown_grace_s=args.shutdown_grace, seed=args.seed,
+                        admin=args.admin, admin_token=token, watch_interval_s=args.watch_interval)
     try:
         asyncio.run(app.serve(settings, policy))
     except app.StartupError as exc:
@@ -105,6 +126,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default=env("LOG_LEVEL", "info"))
     serve.add_argument("--shutdown-grace", type=float, default=float(env("SHUTDOWN_GRACE", "30")),
                        metavar="SECONDS", help="time in-flight requests get to finish on SIGTERM")
+    serve.add_argument("--admin", type=_optional_address,
+                       default=_optional_address(env("ADMIN", "127.0.0.1:9091")), metavar="HOST:PORT|off",
+                       help="admin port: state, reload, drain, pause (env EXTPROC_ADMIN; "
+                       "default %(default)s)")
+    serve.add_argument("--admin-token-file", default=env("ADMIN_TOKEN_FILE", "") or None, metavar="PATH",
+                       help="file holding the token the admin port requires (or env EXTPROC_ADMIN_TOKEN); "
+                       "required when the admin port is not on loopback")
+    serve.add_argument("--watch-interval", type=float, default=float(env("WATCH_INTERVAL", "1")),
+                       metavar="SECONDS", help="how often the policy file is checked for changes (0: only on "
+                       "SIGHUP or POST /admin/reload; default %(default)s)")
     serve.add_argument("--seed", type=int, default=None, help="seed Retry-After jitter (tests)")
     serve.set_defaults(func=_cmd_serve)
 

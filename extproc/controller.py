@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from extproc.core.admission import Decision, LaneView, Scheduler, State, Ticket
 from extproc.core.decision import Outcome
 from extproc.core.estimate import Job
+from extproc.core.recent import ADMIT, REJECT, SHADOW, Recent
 from extproc.metrics import Metrics
 from extproc.policy.schema import Policy
 
@@ -37,6 +38,10 @@ class Controller:
         # waits for idleness): until then submit and release skip keeping it up to date.
         self._idle: asyncio.Event | None = None
         self._timer: asyncio.Task[None] | None = None
+        #: The last minute's decisions, for the live view.
+        self.recent = Recent()
+        #: Called after every policy swap (the classifier is rebuilt there).
+        self.on_reconfigure: list[Callable[[Policy], None]] = []
         metrics.watch(self.lanes, lambda: self.scheduler.draining)
 
     @property
@@ -62,6 +67,25 @@ class Controller:
     def drain(self) -> None:
         """Stop admitting; queued requests are answered at once (503 draining)."""
         self._settle(self.scheduler.drain(self.now()))
+        self._update_idle()
+
+    def undrain(self) -> None:
+        self._settle(self.scheduler.undrain(self.now()))
+
+    def pause(self, lane: str) -> None:
+        """Admit nothing more from ``lane`` (KeyError if unknown); its requests queue until resumed."""
+        self.scheduler.pause(lane)
+
+    def resume(self, lane: str) -> None:
+        self._settle(self.scheduler.resume(lane, self.now()))
+
+    def reconfigure(self, policy: Policy) -> None:
+        """Swap in a new policy at once; queued work it lets start is admitted."""
+        self._settle(self.scheduler.reconfigure(policy, self.now()))
+        for listener in self.on_reconfigure:
+            listener(policy)
+        self._wake.set()
+        self._update_idle()
 
     async def wait_idle(self, grace_s: float) -> bool:
         """Wait until nothing is in flight; False if the grace period passed first."""
@@ -111,13 +135,22 @@ class Controller:
     # -- internals --------------------------------------------------------------------
 
     def _record(self, decision: Decision) -> None:
-        lane = decision.ticket.lane
+        ticket = decision.ticket
+        lane = ticket.lane
         metrics = self.metrics
         metrics.decisions_of(lane, decision.outcome.value).inc()
         if decision.outcome is Outcome.ADMITTED:
-            metrics.queue_wait_of(lane).observe(decision.ticket.queue_wait)
-        elif decision.reason is not None:
-            metrics.rejections_of(lane, decision.reason.value).inc()
+            wait = ticket.queue_wait
+            metrics.queue_wait_of(lane).observe(wait)
+            shadow = decision.shadow
+            if shadow is not None:
+                metrics.shadow_of(lane, shadow.value, decision.reason.value if decision.reason else "").inc()
+            self.recent.add(lane, SHADOW if shadow is Outcome.REJECTED else ADMIT, ticket.admitted_at or 0.0,
+                            wait)
+        elif decision.outcome is Outcome.REJECTED:
+            if decision.reason is not None:
+                metrics.rejections_of(lane, decision.reason.value).inc()
+            self.recent.add(lane, REJECT, self.now())
 
     def _settle(self, decisions: Iterable[Decision]) -> None:
         for decision in decisions:

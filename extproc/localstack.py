@@ -112,9 +112,11 @@ class Stack:
         return process
 
     def extproc(self, policy: Path | str, grpc: int, http: int, *extra: str, name: str = "extproc",
-                wait: bool = True) -> Process:
+                wait: bool = True, admin: int | None = None) -> Process:
+        admin_port = admin if admin is not None else free_port()
         process = self.start(name, [sys.executable, "-m", "extproc", "serve", "--policy", str(policy),
-                                    "--grpc", f"127.0.0.1:{grpc}", "--http", f"127.0.0.1:{http}", *extra])
+                                    "--grpc", f"127.0.0.1:{grpc}", "--http", f"127.0.0.1:{http}",
+                                    "--admin", f"127.0.0.1:{admin_port}", *extra])
         if wait:
             self._wait(process, f"http://127.0.0.1:{http}/readyz")
         return process

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Generic, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -99,6 +99,11 @@ class Metrics:
             "inference_admission_rejections", "Requests answered by extproc itself, by lane and reason.",
             ["lane", "reason"], registry=registry,
         )
+        self.shadow = Counter(
+            "extproc_shadow_decisions", "Requests a shadow-mode lane admitted that enforcing would have "
+            "queued or rejected, by lane, outcome and reason.", ["lane", "outcome", "reason"],
+            registry=registry,
+        )
         self.stream_errors = Counter(
             "extproc_stream_errors", "ext_proc streams that ended abnormally, by kind.", ["kind"],
             registry=registry,
@@ -107,11 +112,33 @@ class Metrics:
             "extproc_slots_reclaimed", "Slots reclaimed by the lease backstop (their stream never ended).",
             registry=registry,
         )
+        self.policy_reloads = Counter(
+            "extproc_policy_reloads", "Policy reload attempts that found a changed file, by result "
+            "(ok: swapped in; error: rejected, the previous policy stays).", ["result"], registry=registry,
+        )
+        self.policy_reload_failing = Gauge(
+            "extproc_policy_reload_failing", "1 while the policy file on disk is invalid and an older policy "
+            "is in force.", registry=registry,
+        )
+        self.policy_loaded = Gauge(
+            "extproc_policy_loaded_timestamp_seconds", "When the policy in force was loaded (epoch seconds).",
+            registry=registry,
+        )
         # The request path goes through these (see Children); the metrics above stay the public handles.
         self.queue_wait_of = Children(self.queue_wait)
         self.service_time_of = Children(self.service_time)
         self.decisions_of = Children(self.decisions)
         self.rejections_of = Children(self.rejections)
+        self.shadow_of = Children(self.shadow)
+
+    def rejection_counts(self) -> dict[str, dict[str, int]]:
+        """Rejections since start, by lane and reason (for the admin state document)."""
+        out: dict[str, dict[str, int]] = {}
+        for family in self.rejections.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    out.setdefault(sample.labels["lane"], {})[sample.labels["reason"]] = int(sample.value)
+        return out
 
     def watch(self, lanes: Callable[[], Mapping[str, LaneView]], draining: Callable[[], bool]) -> None:
         self.registry.register(_StateCollector(lanes, draining))

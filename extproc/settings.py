@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass
 
@@ -31,6 +32,23 @@ class Settings:
     log_level: str = "info"
     shutdown_grace_s: float = 30.0
     seed: int | None = None
+    admin: Address | None = Address("127.0.0.1", 9091)
+    """The admin port (state, reload, drain, pause); None: no admin port."""
+    admin_token: str | None = None
+    watch_interval_s: float = 1.0
+    """How often the policy file is checked for changes; 0: only on SIGHUP or the admin endpoint."""
+
+    @property
+    def admin_exposed(self) -> bool:
+        """Whether the admin port listens beyond loopback."""
+        if self.admin is None:
+            return False
+        if self.admin.host == "localhost":
+            return False
+        try:
+            return not ipaddress.ip_address(self.admin.host).is_loopback
+        except ValueError:
+            return True
 
 
 def env(name: str, default: str) -> str:

@@ -68,6 +68,8 @@ class Decision:
     ticket: Ticket
     reason: Reason | None = None
     retry_after: int | None = None
+    shadow: Outcome | None = None
+    """In shadow mode: what enforcing would have done (queued or rejected, with ``reason``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +80,13 @@ class LaneView:
     borrowed: int
     queued_work: float
     tenants: dict[str, int] = field(default_factory=dict)
+    max_queued: int = 0
+    priority: int = 0
+    paused: bool = False
+    closed: bool = False
+    shadow: bool = False
+    retired: bool = False
+    """Removed from the policy by a reload; still finishing its queued and in-flight requests."""
 
 
 def _remaining(ticket: Ticket, now: float) -> float:
@@ -100,24 +109,71 @@ class Scheduler:
         # it, and summing over every lane each time showed in the request path's profile.
         self._n_inflight = 0
         self.draining = False
+        self.paused: set[str] = set()
+        self._retired: set[str] = set()
         self.reclaimed = 0
         self.reconfigure(policy)
 
     # -- configuration ------------------------------------------------------------
 
-    def reconfigure(self, policy: Policy) -> None:
-        """Swap in a policy. Queued and in-flight requests keep their place."""
+    def reconfigure(self, policy: Policy, now: float | None = None) -> list[Decision]:
+        """Swap in a policy; returns the queued requests it lets start.
+
+        Queued and in-flight requests keep their place. A lane the new policy no longer
+        has is retired: it takes no new requests, but its queue is still served (under its
+        last limits) and its in-flight requests finish; it disappears once empty. Limits
+        that shrink take effect as slots free: nothing running is cut short.
+        """
+        previous: dict[str, Lane] = getattr(self, "_lanes", {})
         self.policy = policy
-        self._lanes = {lane.name: lane for lane in policy.lanes}
-        self._order = sorted(policy.lanes, key=lambda lane: (-lane.priority, lane.name))
+        lanes = {lane.name: lane for lane in policy.lanes}
+        for name, lane in previous.items():
+            if name not in lanes and (self._inflight.get(name) or self._queues.get(name)):
+                lanes[name] = lane
+        self._retired = {name for name in lanes if name not in {lane.name for lane in policy.lanes}}
+        self._lanes = lanes
+        self._order = sorted(lanes.values(), key=lambda lane: (-lane.priority, lane.name))
         self._capacity = policy.total_capacity
         self.estimator.reconfigure(policy.estimation)
-        weights = policy.tenants.weights
-        default = policy.tenants.default_weight
-        for lane in policy.lanes:
-            self._inflight.setdefault(lane.name, {})
-            if lane.name not in self._queues:
-                self._queues[lane.name] = LaneQueue(lambda t: weights.get(t, default))
+        self.paused &= set(lanes)
+        for name in list(self._inflight):
+            if name not in lanes:
+                del self._inflight[name]
+                del self._queues[name]
+        for name in lanes:
+            self._inflight.setdefault(name, {})
+            if name not in self._queues:
+                self._queues[name] = LaneQueue(self._tenant_weight)
+        return self._dispatch(now) if now is not None else []
+
+    def _tenant_weight(self, tenant: str) -> float:
+        # Read from the current policy on each use, so a reload re-weights queued tenants too.
+        tenants = self.policy.tenants
+        return tenants.weights.get(tenant, tenants.default_weight)
+
+    def shadowed(self, lane: str) -> bool:
+        """Whether the lane only observes: decides and counts, but admits everything."""
+        config = self._lanes.get(lane)
+        return self.policy.shadow or (config is not None and config.shadow)
+
+    # -- operator actions ---------------------------------------------------------
+
+    def pause(self, lane: str) -> None:
+        """Admit nothing more from the lane; its requests queue (to their deadline) until resumed."""
+        if lane not in self._lanes:
+            raise KeyError(lane)
+        self.paused.add(lane)
+
+    def resume(self, lane: str, now: float) -> list[Decision]:
+        if lane not in self._lanes:
+            raise KeyError(lane)
+        self.paused.discard(lane)
+        return self._dispatch(now)
+
+    def undrain(self, now: float) -> list[Decision]:
+        """Admit again after an operator's drain."""
+        self.draining = False
+        return self._dispatch(now)
 
     # -- counts ---------------------------------------------------------------------
 
@@ -138,7 +194,7 @@ class Scheduler:
     def _admissible(self, lane: Lane) -> bool:
         """Whether one more request of ``lane`` may start now without breaking any limit."""
         total = self.total_inflight
-        if total >= self._capacity or lane.closed:
+        if total >= self._capacity or lane.closed or lane.name in self.paused:
             return False
         inflight = len(self._inflight[lane.name])
         if inflight < lane.max_inflight:
@@ -200,23 +256,18 @@ class Scheduler:
                         predicted)
         if self.draining:
             return self._reject(ticket, Reason.DRAINING, now), []
-        if lane.closed:
-            return self._reject(ticket, Reason.LANE_CLOSED, now), []
-        if not self._queues[lane.name] and self._admissible(lane):
+        outcome, reason, crowded, rank = self._verdict(lane, ticket, now)
+        if outcome is Outcome.ADMITTED:
             self._admit(ticket, now)
             return Decision(Outcome.ADMITTED, ticket), []
-        queue = self._queues[lane.name]
-        crowded: Entry | None = None
-        if len(queue) >= lane.max_queued:
-            # A full queue still takes a tenant below its fair share of the places, in
-            # exchange for the worst entry of the tenant furthest above its share.
-            crowded = queue.crowding(tenant) if lane.max_queued else None
-            if crowded is None:
-                return self._reject(ticket, Reason.QUEUE_FULL, now), []
-        sjf_weight = lane.sjf_weight if lane.sjf_weight is not None else self.policy.queueing.sjf_weight
-        rank = rank_of(now, ticket.deadline, predicted, sjf_weight)
-        if self._estimated_wait(lane, rank, now) > lane.deadline:
-            return self._reject(ticket, Reason.DEADLINE_UNMEETABLE, now), []
+        if self.shadowed(lane.name) and lane.name not in self.paused:
+            # Observe only: the request starts now whatever the verdict, and takes a slot like
+            # any other, so later verdicts see the load the backend really has.
+            self._admit(ticket, now)
+            return Decision(Outcome.ADMITTED, ticket, reason, shadow=outcome), []
+        if outcome is Outcome.REJECTED:
+            assert reason is not None
+            return self._reject(ticket, reason, now), []
         evicted: list[Decision] = []
         if crowded is not None:
             evicted.append(self._withdraw(self._tickets_by_entry[crowded.id], Reason.FAIR_SHARE, now))
@@ -224,13 +275,42 @@ class Scheduler:
         if cap is not None and self.total_queued >= cap:
             victim = self._victim(lane)
             if victim is None:
-                return self._reject(ticket, Reason.QUEUE_FULL, now), []
+                return self._reject(ticket, Reason.QUEUE_FULL, now), evicted
             evicted.append(self._withdraw(victim, Reason.EVICTED, now))
         ticket.entry = Entry(ticket.id, tenant, now, ticket.deadline, predicted, rank)
-        queue.push(ticket.entry)
+        self._queues[lane.name].push(ticket.entry)
         self._tickets_by_entry[ticket.id] = ticket
         heapq.heappush(self._deadlines, (ticket.deadline, ticket.id, ticket))
         return Decision(Outcome.QUEUED, ticket), evicted
+
+    def _verdict(self, lane: Lane, ticket: Ticket, now: float
+                 ) -> tuple[Outcome, Reason | None, Entry | None, float]:
+        """What the policy says about a new request, without acting on it.
+
+        Returns the outcome, the reason of a rejection, the entry a full queue would give
+        up for it (fair share), and its rank in the queue.
+        """
+        if lane.closed:
+            return Outcome.REJECTED, Reason.LANE_CLOSED, None, 0.0
+        queue = self._queues[lane.name]
+        if not queue and self._admissible(lane):
+            return Outcome.ADMITTED, None, None, 0.0
+        crowded: Entry | None = None
+        if len(queue) >= lane.max_queued:
+            # A full queue still takes a tenant below its fair share of the places, in
+            # exchange for the worst entry of the tenant furthest above its share.
+            crowded = queue.crowding(ticket.tenant) if lane.max_queued else None
+            if crowded is None:
+                return Outcome.REJECTED, Reason.QUEUE_FULL, None, 0.0
+        sjf_weight = lane.sjf_weight if lane.sjf_weight is not None else self.policy.queueing.sjf_weight
+        rank = rank_of(now, ticket.deadline, ticket.predicted, sjf_weight)
+        if self._estimated_wait(lane, rank, now) > lane.deadline:
+            return Outcome.REJECTED, Reason.DEADLINE_UNMEETABLE, None, rank
+        cap = self.policy.capacity.max_queued
+        if (cap is not None and self.total_queued - (crowded is not None) >= cap
+                and self._victim(lane) is None):
+            return Outcome.REJECTED, Reason.QUEUE_FULL, None, rank
+        return Outcome.QUEUED, None, crowded, rank
 
     def release(self, ticket: Ticket, now: float, learn: bool = True) -> list[Decision]:
         """End a request however it ended; idempotent. Returns requests admitted in its place.
@@ -242,14 +322,17 @@ class Scheduler:
             return []
         if ticket.state is State.QUEUED:
             self._dequeue(ticket)
-            ticket.state = State.DONE
-            return self._dispatch(now)
-        if self._inflight[ticket.lane].pop(ticket.id, None) is not None:
-            self._n_inflight -= 1
+        else:
+            inflight = self._inflight.get(ticket.lane)
+            if inflight is not None and inflight.pop(ticket.id, None) is not None:
+                self._n_inflight -= 1
+            if learn and ticket.admitted_at is not None:
+                self.estimator.observe(ticket.job, ticket.occupancy, now - ticket.admitted_at)
         ticket.state = State.DONE
-        if learn and ticket.admitted_at is not None:
-            self.estimator.observe(ticket.job, ticket.occupancy, now - ticket.admitted_at)
-        return self._dispatch(now)
+        admitted = self._dispatch(now)
+        if self._retired:
+            self._prune_retired()
+        return admitted
 
     def expire(self, now: float) -> list[Decision]:
         """Reject queued requests past their deadline; reclaim slots held past the backstop."""
@@ -264,6 +347,8 @@ class Scheduler:
                 self.reclaimed += 1
                 out.extend(self.release(ticket, now, learn=False))
         out.extend(self._dispatch(now))
+        if self._retired:
+            self._prune_retired()
         return out
 
     def next_timer(self) -> float | None:
@@ -287,18 +372,32 @@ class Scheduler:
     def snapshot(self, now: float) -> dict[str, LaneView]:
         views = {}
         for name, tickets in self._inflight.items():
-            lane = self._lanes.get(name)
-            limit = lane.max_inflight if lane else 0
+            lane = self._lanes[name]
             queue = self._queues[name]
+            retired = name in self._retired
             views[name] = LaneView(
                 inflight=len(tickets),
-                limit=limit,
+                limit=0 if retired else lane.max_inflight,
                 queued=len(queue),
-                borrowed=max(0, len(tickets) - limit),
+                borrowed=max(0, len(tickets) - lane.max_inflight),
                 queued_work=queue.work,
                 tenants=queue.tenants(),
+                max_queued=lane.max_queued,
+                priority=lane.priority,
+                paused=name in self.paused,
+                closed=lane.closed,
+                shadow=self.shadowed(name),
+                retired=retired,
             )
         return views
+
+    def _prune_retired(self) -> None:
+        """Forget retired lanes once their last request is gone."""
+        for name in [n for n in self._retired if not self._inflight[n] and not self._queues[n]]:
+            self._retired.discard(name)
+            self.paused.discard(name)
+            del self._lanes[name], self._inflight[name], self._queues[name]
+            self._order = [lane for lane in self._order if lane.name != name]
 
     # -- internals ------------------------------------------------------------------
 

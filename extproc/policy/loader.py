@@ -179,16 +179,27 @@ def parse_policy(text: str, source: str = "<policy>") -> Policy:
 
 def load_policy(path: str | Path) -> Policy:
     """Read and validate a policy file; raise PolicyError naming the file on any problem."""
+    return decode_policy(read_policy(path), str(path))
+
+
+def read_policy(path: str | Path) -> bytes:
+    """A policy file's bytes (what a reload hashes and then decodes); PolicyError if unreadable."""
     source = str(path)
     try:
-        raw = Path(path).read_bytes()
+        with open(path, "rb") as file:
+            # One byte more than allowed tells a file over the limit without reading all of it.
+            raw = file.read(MAX_POLICY_BYTES + 1)
     except OSError as exc:
         raise PolicyError([Problem(source, None, "", f"cannot read file: {exc.strerror}")]) from None
     if len(raw) > MAX_POLICY_BYTES:
         raise PolicyError(
-            [Problem(source, None, "", f"file is {len(raw)} bytes; a policy is at most "
+            [Problem(source, None, "", f"file is over {MAX_POLICY_BYTES} bytes; a policy is at most "
                      f"{MAX_POLICY_BYTES} bytes")]
         )
+    return raw
+
+
+def decode_policy(raw: bytes, source: str) -> Policy:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -68,6 +68,8 @@ class Lane(_Strict):
     """A closed lane rejects every request (reason lane_closed)."""
     sjf_weight: Annotated[float | None, Field(ge=0, le=1000)] = None
     """Overrides queueing.sjf_weight for this lane (short deadlines want a small weight)."""
+    shadow: bool = False
+    """Observe only: decide, log and count as if enforcing, but admit every request at once."""
 
 
 class Match(_Strict):
@@ -204,6 +206,8 @@ class RetryAfter(_Strict):
 
 class Policy(_Strict):
     version: Literal[1] = 1
+    shadow: bool = False
+    """Every lane observes only (see Lane.shadow): the safe way to roll out a new policy."""
     lanes: Annotated[tuple[Lane, ...], Field(min_length=1)]
     classification: Classification
     trusted_headers: tuple[HeaderName, ...] = ()

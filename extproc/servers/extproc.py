@@ -129,7 +129,7 @@ class _Request:
 
     # One of these is made per request: slots spare it an instance __dict__.
     __slots__ = ("arrival", "body", "cls", "content_length", "headers", "model", "outcome", "p", "reason",
-                 "remove", "request_id", "ticket")
+                 "remove", "request_id", "shadow", "ticket")
 
     def __init__(self, processor: ExternalProcessor) -> None:
         self.p = processor
@@ -143,6 +143,8 @@ class _Request:
         self.cls: Classification | None = None
         self.outcome: Outcome | None = None
         self.reason: Reason | None = None
+        #: In shadow mode, what enforcing would have done (with ``reason``).
+        self.shadow: Outcome | None = None
         self.remove: list[str] = []
         self.content_length: int | None = None
         #: Wall-clock arrival (epoch seconds): lets the decision log be replayed as a trace.
@@ -213,7 +215,7 @@ class _Request:
 
     def answer(self, decision: Decision, phase: str) -> pb.ProcessingResponse:
         """CONTINUE with the x-extproc-* headers, or the rejection, for a final decision."""
-        self.outcome, self.reason = decision.outcome, decision.reason
+        self.outcome, self.reason, self.shadow = decision.outcome, decision.reason, decision.shadow
         if decision.outcome is not Outcome.ADMITTED:
             return self._reject(decision)
         t = decision.ticket
@@ -223,12 +225,17 @@ class _Request:
             response.mode_override.CopyFrom(NO_BODY_MODE)
         else:
             common = response.request_body.response
-        _continue(common, self.remove, (
+        headers = [
             ("x-extproc-lane", t.lane),
             ("x-extproc-tenant", t.tenant),
             ("x-extproc-queue-ms", str(round(t.queue_wait * 1000))),
             ("x-extproc-predicted-ms", str(round(t.predicted * 1000))),
-        ))
+        ]
+        if decision.shadow is not None:
+            # Lets the backend's own logs show what enforcing would have done.
+            would = decision.shadow.value + (f"; reason={decision.reason.value}" if decision.reason else "")
+            headers.append(("x-extproc-shadow", would))
+        _continue(common, self.remove, headers)
         return response
 
     def _reject(self, decision: Decision) -> pb.ProcessingResponse:
@@ -276,7 +283,7 @@ class _Request:
             "tenant": cls.tenant if cls else None,
             "rule": cls.rule if cls else None,
             "outcome": self.outcome.value if self.outcome else "abandoned",
-            "reason": self.reason.value if self.reason else None,
+            "reason": self.reason.value if self.reason and self.shadow is None else None,
             "model": self.model,
             # What a replay needs to classify the request again: when it came, where to, and
             # the headers the policy trusts (never the others: they may carry credentials).
@@ -292,6 +299,9 @@ class _Request:
             fields["service_ms"] = service_ms
             fields["prompt_tokens"] = job.prompt_tokens
             fields["output_tokens"] = job.output_tokens
+        if self.shadow is not None:
+            fields["shadow"] = self.shadow.value
+            fields["shadow_reason"] = self.reason.value if self.reason else None
         if self.body is not None and self.body.note:
             fields["body"] = self.body.note
         self.p.log.info("decision", **fields)

@@ -25,6 +25,8 @@ class Env:
     metrics_url: str
     upstream_url: str
     extproc_grpc: int
+    admin_url: str
+    policy: Path
 
     def metric(self, name: str, **labels: str) -> float:
         """Current value of one sample from extproc's /metrics (0 if absent)."""
@@ -62,15 +64,15 @@ def start_env(workdir: Path, policy: Path, *, extproc_args: tuple[str, ...] = ()
         from extproc.localstack import wait_http
 
         wait_http(f"http://127.0.0.1:{upstream}/stats", proc=s.processes[-1].popen)
-        grpc, http = free_port(), free_port()
-        s.extproc(policy, grpc, http, "--seed", "7", "--log-format", "json", *extproc_args)
+        grpc, http, admin_port = free_port(), free_port(), free_port()
+        s.extproc(policy, grpc, http, "--seed", "7", "--log-format", "json", *extproc_args, admin=admin_port)
         listen, admin = free_port(), free_port()
         s.envoy(envoy_config(listen, admin, upstream, grpc, tweak=tweak))
     except BaseException:
         s.stop()
         raise
     return s, Env(s, f"http://127.0.0.1:{listen}", f"http://127.0.0.1:{http}/metrics",
-                  f"http://127.0.0.1:{upstream}", grpc)
+                  f"http://127.0.0.1:{upstream}", grpc, f"http://127.0.0.1:{admin_port}", policy)
 
 
 @pytest.fixture

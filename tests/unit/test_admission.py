@@ -611,6 +611,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         timer = self.s.next_timer()
         assert timer is None or timer > self.now
 
+    @rule(lane_name=st.sampled_from(LANES), dt=st.sampled_from([0.0, 1.0]))
+    def pause_or_resume(self, lane_name: str, dt: float) -> None:
+        self.now += dt
+        if lane_name in self.s.paused:
+            self._apply(self.s.resume(lane_name, self.now), queued_before=True)
+        else:
+            self.s.pause(lane_name)
+            assert self.s.snapshot(self.now)[lane_name].paused
+
     @invariant()
     def limits_hold(self) -> None:
         if not hasattr(self, "s"):

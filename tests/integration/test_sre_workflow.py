@@ -1,0 +1,239 @@
+"""The SRE's workflow on a live stack: hot reload, shadow mode, pause, drain, the admin port's token."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.integration.conftest import Env
+
+pytestmark = pytest.mark.envoy
+
+POLICY = """
+lanes:
+  - {name: a, priority: 10, max_inflight: 2, max_queued: 100, deadline: 20s}
+  - {name: old, max_inflight: 1, max_queued: 10, deadline: 20s}
+capacity: {max_hold: 60s}
+classification:
+  default_lane: a
+  rules: [{match: {path_prefix: /old}, lane: old}]
+estimation:
+  default: {prefill_ms_per_token: 0, decode_ms_per_token: 1, overhead_ms: 10}
+  default_max_tokens: 10
+  learning_rate: 0
+queueing: {sjf_weight: 0}
+"""
+
+
+def post(env: Env, path: str = "/v1/x", delay_ms: int = 0, timeout: float = 30) -> httpx.Response:
+    return httpx.post(env.url + path, json={"max_tokens": 10}, headers={"x-test-delay-ms": str(delay_ms)},
+                      timeout=timeout)
+
+
+def upstream_peak(env: Env) -> int:
+    peak: int = httpx.get(env.upstream_url + "/stats", timeout=5).json()["peak"]
+    return peak
+
+
+def wait_for(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def state(env: Env, token: str | None = None) -> dict[str, object]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    r = httpx.get(env.admin_url + "/admin/state", headers=headers, timeout=5)
+    r.raise_for_status()
+    doc: dict[str, object] = r.json()
+    return doc
+
+
+def lane_state(env: Env, name: str) -> dict[str, object]:
+    lanes = state(env)["lanes"]
+    assert isinstance(lanes, list)
+    (found,) = [lane for lane in lanes if lane["name"] == name]
+    return dict(found)
+
+
+def extproc_pid(env: Env) -> int:
+    (process,) = [p for p in env.stack.processes if p.name == "extproc"]
+    return process.popen.pid
+
+
+def test_reload_under_live_traffic_loses_no_request_and_leaks_no_slot(make_env: Callable[..., Env]) -> None:
+    env = make_env(POLICY, extproc_args=("--watch-interval", "0.1"))
+    upstream_peak(env)  # resets the peak
+    bigger = POLICY.replace("max_inflight: 2", "max_inflight: 4")
+    # The second edit removes lane "old" while its requests are queued and running.
+    without_old = (bigger.replace("  - {name: old, max_inflight: 1, max_queued: 10, deadline: 20s}\n", "")
+                   .replace("  rules: [{match: {path_prefix: /old}, lane: old}]\n", ""))
+    with ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(post, env, "/old/x", 800) for _ in range(4)]
+        futures += [pool.submit(post, env, "/v1/x", 150) for _ in range(44)]
+        time.sleep(0.3)
+        env.policy.write_text(bigger)
+        wait_for(lambda: env.metric("extproc_policy_reloads_total", result="ok") == 1, "the first reload")
+        assert env.metric("inference_inflight_limit", lane="a") == 4
+        env.policy.write_text(without_old)
+        wait_for(lambda: env.metric("extproc_policy_reloads_total", result="ok") == 2, "the second reload")
+        # Its requests (one slot, 0.8 s each) are still running and queued: retired, not dropped.
+        assert lane_state(env, "old")["retired"] is True
+        responses = [f.result() for f in futures]
+    assert [r.status_code for r in responses] == [200] * 48
+    lanes_seen = {r.json()["headers"]["x-extproc-lane"] for r in responses}
+    assert lanes_seen == {"a", "old"}
+    env.wait_idle()
+    # Never more than the new total (4 for a, 1 for the retired lane) at the upstream.
+    assert upstream_peak(env) <= 5
+    names = [lane["name"] for lane in state(env)["lanes"]]  # type: ignore[attr-defined]
+    assert names == ["a"]
+    # New requests for /old now land in the default lane.
+    assert post(env, "/old/y").json()["headers"]["x-extproc-lane"] == "a"
+
+
+def test_a_bad_reload_keeps_the_old_policy_counts_it_and_stays_ready(make_env: Callable[..., Env]) -> None:
+    env = make_env(POLICY, extproc_args=("--watch-interval", "0.1"))
+    env.policy.write_text(POLICY.replace("max_inflight: 2", "max_inflight: zero"))
+    wait_for(lambda: env.metric("extproc_policy_reloads_total", result="error") == 1, "the failed reload")
+    assert env.metric("extproc_policy_reload_failing") == 1
+    ready = httpx.get(env.metrics_url.replace("/metrics", "/readyz"), timeout=5)
+    assert ready.status_code == 200
+    policy = state(env)["policy"]
+    assert isinstance(policy, dict)
+    (problem,) = policy["last_error"]
+    assert f"{env.policy}:3: lanes[0].max_inflight" in problem
+    assert policy["reloads_failed"] == 1
+    # The old limit of 2 still holds: three slow requests, one of them waits.
+    upstream_peak(env)
+    with ThreadPoolExecutor(3) as pool:
+        responses = list(pool.map(lambda _: post(env, delay_ms=300), range(3)))
+    assert [r.status_code for r in responses] == [200] * 3
+    assert upstream_peak(env) == 2
+    # An explicit reload says what is wrong too, and changes nothing.
+    r = httpx.post(env.admin_url + "/admin/reload", timeout=5)
+    assert r.status_code == 422
+    assert "lanes[0].max_inflight" in r.json()["problems"][0]
+    env.policy.write_text(POLICY)
+    wait_for(lambda: env.metric("extproc_policy_reload_failing") == 0, "the fix to load")
+
+
+def test_sighup_shrinks_a_limit_without_cutting_running_requests(make_env: Callable[..., Env]) -> None:
+    env = make_env(POLICY.replace("max_inflight: 2", "max_inflight: 3"),
+                   extproc_args=("--watch-interval", "0"))
+    upstream_peak(env)
+    with ThreadPoolExecutor(4) as pool:
+        running = [pool.submit(post, env, "/v1/x", 1500) for _ in range(3)]
+        wait_for(lambda: env.metric("inference_inflight_requests", lane="a") == 3, "three running")
+        env.policy.write_text(POLICY.replace("max_inflight: 2", "max_inflight: 1"))
+        # The watcher is off: nothing changes until SIGHUP.
+        time.sleep(0.3)
+        assert env.metric("inference_inflight_limit", lane="a") == 3
+        import os
+
+        os.kill(extproc_pid(env), signal.SIGHUP)
+        wait_for(lambda: env.metric("inference_inflight_limit", lane="a") == 1, "the SIGHUP reload")
+        late = pool.submit(post, env, "/v1/x", 0)
+        results = [f.result() for f in running]
+        late_response = late.result()
+    assert [r.status_code for r in results] == [200] * 3
+    # The late request waited until in-flight work fell below the new limit of 1: all three ended.
+    assert late_response.status_code == 200
+    assert int(late_response.json()["headers"]["x-extproc-queue-ms"]) >= 900
+
+
+SHADOW = """
+shadow: true
+lanes:
+  - {name: a, max_inflight: 1, max_queued: 0, deadline: 5s}
+classification: {default_lane: a}
+"""
+
+
+def test_shadow_mode_admits_everything_and_counts_would_be_rejections(make_env: Callable[..., Env]) -> None:
+    env = make_env(SHADOW)
+    upstream_peak(env)
+    with ThreadPoolExecutor(4) as pool:
+        responses = list(pool.map(lambda _: post(env, delay_ms=500), range(4)))
+    assert [r.status_code for r in responses] == [200] * 4
+    assert upstream_peak(env) == 4
+    marks = sorted(r.json()["headers"].get("x-extproc-shadow", "") for r in responses)
+    assert marks == ["", "rejected; reason=queue_full", "rejected; reason=queue_full",
+                     "rejected; reason=queue_full"]
+    would = env.metric("extproc_shadow_decisions_total", lane="a", outcome="rejected", reason="queue_full")
+    assert would == 3
+    assert env.metric("inference_admission_rejections_total", lane="a", reason="queue_full") == 0
+    a = lane_state(env, "a")
+    assert a["shadow"] is True
+    assert a["shadow_reject_per_s"] > 0
+
+
+def test_pause_resume_drain_and_undrain_through_the_admin_port(make_env: Callable[..., Env]) -> None:
+    env = make_env(POLICY)
+    admin = env.admin_url
+    assert httpx.post(admin + "/admin/lanes/a/pause", timeout=5).json() == {"lane": "a", "paused": True}
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(post, env)
+        wait_for(lambda: env.metric("inference_pending_requests", lane="a") == 1, "the request to queue")
+        assert lane_state(env, "a")["paused"] is True
+        time.sleep(0.3)
+        assert not held.done()
+        httpx.post(admin + "/admin/lanes/a/resume", timeout=5).raise_for_status()
+        assert held.result().status_code == 200
+    missing = httpx.post(admin + "/admin/lanes/nope/pause", timeout=5)
+    assert missing.status_code == 404
+    assert "unknown lane 'nope'" in missing.json()["error"]
+
+    httpx.post(admin + "/admin/drain", timeout=5).raise_for_status()
+    readyz = env.metrics_url.replace("/metrics", "/readyz")
+    assert httpx.get(readyz, timeout=5).status_code == 503
+    r = post(env)
+    assert (r.status_code, r.headers["x-extproc-reason"]) == (503, "draining")
+    assert state(env)["draining"] is True
+    httpx.post(admin + "/admin/undrain", timeout=5).raise_for_status()
+    assert httpx.get(readyz, timeout=5).status_code == 200
+    assert post(env).status_code == 200
+
+
+def test_the_admin_port_needs_the_token_when_one_is_set(make_env: Callable[..., Env],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EXTPROC_ADMIN_TOKEN", "s3cret")
+    env = make_env(POLICY)
+    url = env.admin_url + "/admin/state"
+    assert httpx.get(url, timeout=5).status_code == 401
+    assert httpx.get(url, headers={"Authorization": "Bearer wrong"}, timeout=5).status_code == 401
+    assert httpx.post(env.admin_url + "/admin/drain", timeout=5).status_code == 401
+    assert state(env, "s3cret")["draining"] is False
+    # Refused operations changed nothing.
+    assert post(env).status_code == 200
+
+
+def test_the_admin_port_is_not_reachable_through_envoy(make_env: Callable[..., Env]) -> None:
+    env = make_env(POLICY)
+    r = httpx.get(env.url + "/admin/state", timeout=5)
+    # Envoy routes it to the backend like any other path (here the echo server), never to extproc.
+    assert r.status_code == 200
+    assert r.json()["path"] == "/admin/state"
+    assert "lanes" not in r.json()
+
+
+def test_an_exposed_admin_port_without_a_token_refuses_to_start(tmp_path: Path) -> None:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(POLICY)
+    result = subprocess.run(
+        [sys.executable, "-m", "extproc", "serve", "--policy", str(policy), "--grpc", "127.0.0.1:0",
+         "--http", "127.0.0.1:0", "--admin", "0.0.0.0:0"],
+        capture_output=True, text=True, timeout=30, env={"PATH": "/usr/bin:/bin"})
+    assert result.returncode == 3
+    assert "is not on loopback: set a token" in result.stderr
