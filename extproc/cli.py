@@ -144,6 +144,17 @@ def build_parser() -> argparse.ArgumentParser:
     check = policy_commands.add_parser("check", help="validate policy files; exit 1 if any has problems")
     check.add_argument("files", nargs="+", metavar="FILE")
     check.set_defaults(func=_cmd_policy_check)
+    from extproc.policy import diff as policy_diff
+    from extproc.policy import explain as policy_explain
+
+    explain = policy_commands.add_parser(
+        "explain", help="what the policy does with a sample request: rule, lane, tenant, estimate, decisions")
+    policy_explain.add_arguments(explain)
+    explain.set_defaults(func=policy_explain.command)
+    diff = policy_commands.add_parser(
+        "diff", help="what changed between two policies, in words; exit 1 if they differ")
+    policy_diff.add_arguments(diff)
+    diff.set_defaults(func=policy_diff.command)
 
     envoy = commands.add_parser("envoy-config", help="print envoy/envoy.yaml with other addresses")
     envoy.add_argument("--listen", type=_address, default=_address("127.0.0.1:10000"))

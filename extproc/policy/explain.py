@@ -1,0 +1,876 @@
+"""What a policy does with one sample request: ``extproc policy explain``.
+
+How this works: the sample request goes through the steps the live service
+takes, with the live service's own parts. Untrusted ``x-extproc-*`` headers are
+stripped; the body is read with ``read_body`` under the same conditions as in
+``servers/extproc.py`` (only when the policy needs it, cut at
+``max_body_bytes``); the model comes from the policy's model header first, then
+from the body; ``Classifier`` picks the lane and tenant and ``Estimator`` sizes
+the job. The words around those verdicts (why a rule did not match) are written
+here, but every verdict comes from the core: each rule's "match / no match" is
+the classifier's own answer on a policy holding that rule alone.
+
+Decisions at queue states come from a real ``Scheduler``: synthetic requests
+(by default, requests like this one, from the same tenant) are submitted to
+reach the state, all arriving now, then the sample is submitted. When it is
+queued, the queue is played forward on predicted service times with no new
+arrivals, releasing and expiring through the scheduler's public calls, to say
+when it would start or whether its deadline would pass first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from extproc.core.admission import Decision, Scheduler, State, Ticket
+from extproc.core.body import BodyFacts, read_body
+from extproc.core.classify import Classifier, RequestFacts
+from extproc.core.decision import Outcome, Reason
+from extproc.core.estimate import Estimator, Job
+from extproc.policy.loader import PolicyError, load_policy
+from extproc.policy.schema import Lane, Match, Policy
+
+#: The prefix of the headers extproc sets itself (as in servers/extproc.py).
+HEADER_PREFIX = "x-extproc-"
+#: Headers every HTTP request carries: not worth an "ignored" line each.
+_TRANSPORT = frozenset({
+    "accept", "accept-encoding", "authorization", "connection", "content-length", "content-type", "host",
+    "te", "transfer-encoding", "user-agent", "x-forwarded-for", "x-forwarded-proto", "x-request-id",
+})
+_STATE_ITEM = re.compile(r"^\s*(inflight|queued)\s*:\s*(\d{1,7})\s*$")
+#: A request played forward never needs more steps than there are tickets; this is a backstop.
+_MAX_STEPS = 1_000_000
+
+
+class ExplainError(ValueError):
+    """The sample request or a queue state cannot be understood; the message says why."""
+
+
+# -- the sample request -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SampleRequest:
+    method: str
+    path: str
+    headers: dict[str, str]
+    """Lower-cased names; a repeated header's values joined with ``,`` as HTTP allows."""
+    body: bytes | None = None
+
+
+def _read_arg(value: str, what: str) -> bytes:
+    """``@file`` → the file's bytes; anything else → the text itself."""
+    if not value.startswith("@"):
+        return value.encode()
+    try:
+        return Path(value[1:]).read_bytes()
+    except OSError as exc:
+        raise ExplainError(f"{what}: cannot read {value[1:]}: {exc.strerror}") from None
+
+
+def _header_value(name: str, value: object) -> str:
+    if isinstance(value, list) and all(isinstance(v, str | int | float) for v in value):
+        return ",".join(str(v) for v in value)
+    if isinstance(value, str | int | float) and not isinstance(value, bool):
+        return str(value)
+    raise ExplainError(f"--request: headers.{name}: expected a string or a list of strings")
+
+
+def parse_request_document(raw: bytes, what: str = "--request") -> SampleRequest:
+    """A request written as ``{"method", "path", "headers", "body"}`` JSON.
+
+    ``body`` is a JSON value sent as its JSON text, or a string sent as it is (so a
+    body that is not JSON can be tried too).
+    """
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise ExplainError(f"{what}: not JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ExplainError(f"{what}: expected a JSON object with method, path, headers and body")
+    unknown = sorted(set(doc) - {"method", "path", "headers", "body"})
+    if unknown:
+        raise ExplainError(f"{what}: unknown key(s) {unknown}; expected method, path, headers, body")
+    method = doc.get("method", "POST")
+    path = doc.get("path", "")
+    if not isinstance(method, str) or not isinstance(path, str):
+        raise ExplainError(f"{what}: method and path must be strings")
+    headers = doc.get("headers", {})
+    if not isinstance(headers, dict):
+        raise ExplainError(f"{what}: headers must be an object of name → value")
+    body = doc.get("body")
+    raw_body: bytes | None
+    if body is None:
+        raw_body = None
+    elif isinstance(body, str):
+        raw_body = body.encode()
+    else:
+        raw_body = json.dumps(body).encode()
+    return SampleRequest(
+        method=method.upper(),
+        path=path,
+        headers={str(k).lower(): _header_value(str(k), v) for k, v in headers.items()},
+        body=raw_body,
+    )
+
+
+def sample_request(document: str | None = None, *, method: str | None = None, path: str | None = None,
+                   headers: Iterable[str] = (), body: str | None = None) -> SampleRequest:
+    """The request from ``--request JSON|@file`` and the flags that add to or replace its parts."""
+    base = (parse_request_document(_read_arg(document, "--request")) if document is not None
+            else SampleRequest("POST", "", {}))
+    given: dict[str, str] = {}
+    for line in headers:
+        name, sep, value = line.partition(":")
+        name = name.strip().lower()
+        if not sep or not name:
+            raise ExplainError(f"-H {line!r}: expected 'name: value'")
+        value = value.strip()
+        given[name] = f"{given[name]},{value}" if name in given else value
+    request = SampleRequest(
+        method=(method or base.method).upper(),
+        path=path if path is not None else base.path,
+        headers={**base.headers, **given},
+        body=_read_arg(body, "--body") if body is not None else base.body,
+    )
+    if not request.path.startswith("/"):
+        raise ExplainError("give the request's path (--path /v1/chat/completions, or in --request)"
+                           if not request.path else f"path {request.path!r} must start with /")
+    return request
+
+
+# -- what the live service would know of it ---------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Intake:
+    """The request as the live service sees it when it decides."""
+
+    facts: RequestFacts
+    stripped: tuple[str, ...]
+    """Client-sent x-extproc-* headers the policy does not trust: removed before anything reads them."""
+    has_body: bool
+    body: BodyFacts
+    body_read: bool
+    body_why: str
+    model_from: str
+
+
+def _why_body(policy: Policy) -> str:
+    """In words, why this policy reads request bodies or not (the verdict is Policy.needs_body)."""
+    mode = policy.estimation.read_body
+    if mode != "auto":
+        return f"estimation.read_body is {mode}"
+    uses = []
+    if policy.queueing.sjf_weight > 0:
+        uses.append(f"queueing.sjf_weight {policy.queueing.sjf_weight:g} orders queues by size")
+    uses += [f"lane {lane.name} has sjf_weight {lane.sjf_weight:g}"
+             for lane in policy.lanes if lane.sjf_weight]
+    if policy.estimation.models:
+        uses.append("estimation.models has per-model costs")
+    uses += [f"rule {_rule_name(i, r.name)} matches on models"
+             for i, r in enumerate(policy.classification.rules) if r.match.models]
+    if uses:
+        return "read_body auto: " + "; ".join(uses)
+    return "read_body auto and nothing uses it (sjf_weight 0, no per-model costs, no rule on models)"
+
+
+def intake(policy: Policy, request: SampleRequest) -> Intake:
+    """What extproc knows of ``request`` when it decides, got the way servers/extproc.py gets it."""
+    trusted = frozenset(policy.trusted_headers)
+    stripped = tuple(k for k in request.headers if k.startswith(HEADER_PREFIX) and k not in trusted)
+    headers = {k: v for k, v in request.headers.items() if k not in stripped}
+    model_header = policy.estimation.model_header
+    model = headers.get(model_header) if model_header else None
+    model_from = f"header {model_header}" if model is not None else ""
+    why = _why_body(policy)
+    body = BodyFacts()
+    read = False
+    # Envoy ends the stream on the headers when there is no body: nothing to read then.
+    if request.body and policy.needs_body:
+        limit = policy.estimation.max_body_bytes
+        try:
+            content_length: int | None = int(headers.get("content-length", ""))
+        except ValueError:
+            # A client sends one with its body and Envoy passes it on; the sample's own size is it.
+            content_length = len(request.body)
+        # Assumes the whole body reaches extproc in one chunk, as when it fits Envoy's buffer.
+        body = read_body(request.body[:limit], len(request.body) <= limit, content_length)
+        read = True
+    elif request.body:
+        why = f"not read: {why}"
+    if model is None:
+        model = body.model
+        if model is not None:
+            model_from = "the body"
+    facts = RequestFacts(method=request.method, path=request.path, headers=headers, model=model,
+                         request_id=headers.get("x-request-id", ""))
+    return Intake(facts, stripped, bool(request.body), body, read, why, model_from)
+
+
+# -- classification ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RuleCheck:
+    index: int
+    name: str
+    lane: str
+    conditions: str
+    matched: bool
+    why: tuple[str, ...] = ()
+    """The conditions that do not hold (empty when the rule matched)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClassificationView:
+    lane: str
+    rule: str
+    """The classifier's name for what decided: a rule's name, ``rules[i]``, ``lane_header`` or ``default``."""
+    rule_index: int | None
+    lane_header: str | None
+    """What the lane header did, in words (None when the policy has none)."""
+    checks: tuple[RuleCheck, ...]
+    """The rules tried, in order, up to the one that matched."""
+    tenant: str
+    tenant_from: str
+    tenant_weight: float
+    weight_from: str
+    ignored: tuple[str, ...]
+
+
+def _rule_name(index: int, name: str | None) -> str:
+    return name or f"rules[{index}]"
+
+
+def _one_of(values: Iterable[str]) -> str:
+    return " or ".join(values)
+
+
+def describe_match(match: Match) -> str:
+    """A rule's conditions in words, e.g. ``path /v1/chat/completions, method POST``."""
+    parts = []
+    if match.path is not None:
+        parts.append(f"path {match.path}")
+    if match.path_prefix is not None:
+        parts.append(f"path under {match.path_prefix}")
+    if match.path_regex is not None:
+        parts.append(f"path ~ {match.path_regex}")
+    if match.methods:
+        parts.append(f"method {_one_of(match.methods)}")
+    for name, values in match.headers.items():
+        parts.append(f"{name}: {_one_of(values)}")
+    if match.models:
+        parts.append(f"model {_one_of(match.models)}")
+    if match.tenants:
+        parts.append(f"tenant {_one_of(match.tenants)}")
+    return ", ".join(parts) or "every request"
+
+
+def _unmet(match: Match, facts: RequestFacts, tenant: str) -> list[str]:
+    """The conditions of ``match`` that ``facts`` do not meet, in words."""
+    path = facts.path.split("?", 1)[0]
+    out = []
+    if match.path is not None and path != match.path:
+        out.append(f"path {path} is not {match.path}")
+    if match.path_prefix is not None and not path.startswith(match.path_prefix):
+        out.append(f"path {path} is not under {match.path_prefix}")
+    if match.path_regex is not None and re.fullmatch(match.path_regex, path) is None:
+        out.append(f"path {path} does not match {match.path_regex}")
+    if match.methods and facts.method.upper() not in match.methods:
+        out.append(f"method {facts.method} is not {_one_of(match.methods)}")
+    for name, values in match.headers.items():
+        value = facts.headers.get(name)
+        if value is None:
+            out.append(f"{name} not sent (wants {_one_of(values)})")
+        elif value not in values:
+            out.append(f"{name}: {value} is not {_one_of(values)}")
+    if match.models and facts.model not in match.models:
+        out.append(f"model {facts.model} is not {_one_of(match.models)}" if facts.model is not None
+                   else f"no model known (wants {_one_of(match.models)})")
+    if match.tenants and tenant not in match.tenants:
+        out.append(f"tenant {tenant} is not {_one_of(match.tenants)}")
+    return out
+
+
+def classify(policy: Policy, facts: RequestFacts, stripped: Iterable[str] = ()) -> ClassificationView:
+    """Which rule, lane and tenant, with the words for each step."""
+    classifier = Classifier(policy)
+    result = classifier.classify(facts)
+    config = policy.classification
+    tenant = result.tenant
+    lane_header: str | None = None
+    if config.lane_header:
+        value = facts.headers.get(config.lane_header)
+        if result.rule == "lane_header":
+            lane_header = f"{config.lane_header}: {value} names lane {result.lane}; the rules are not tried"
+        elif value is None:
+            lane_header = f"{config.lane_header} not sent, so the rules decide"
+        else:
+            lane_header = (f"{config.lane_header}: {value!r} names no lane (lanes: "
+                           f"{', '.join(lane.name for lane in policy.lanes)}), so the rules decide")
+    checks: list[RuleCheck] = []
+    index: int | None = None
+    if result.rule != "lane_header":
+        for i, rule in enumerate(config.rules):
+            # The verdict is the classifier's own, on a policy that holds this rule alone.
+            alone = policy.model_copy(update={"classification": config.model_copy(
+                update={"rules": (rule,), "lane_header": None})})
+            matched = Classifier(alone).classify(facts).rule != "default"
+            why = () if matched else tuple(_unmet(rule.match, facts, tenant) or ["does not match"])
+            checks.append(RuleCheck(i, _rule_name(i, rule.name), rule.lane, describe_match(rule.match),
+                                    matched, why))
+            if matched:
+                index = i
+                break
+    tenants = policy.tenants
+    if tenants.header is None:
+        tenant_from = "tenants.default (the policy names no tenants.header)"
+    elif facts.headers.get(tenants.header, "").strip():
+        sent = facts.headers[tenants.header].strip()
+        tenant_from = f"header {tenants.header}"
+        if len(sent) > tenants.max_tenant_length:
+            tenant_from += f", cut to tenants.max_tenant_length ({tenants.max_tenant_length})"
+    else:
+        tenant_from = f"tenants.default ({tenants.header} not sent)"
+    weight = tenants.weights.get(tenant)
+    weight_from = "tenants.weights" if weight is not None else "tenants.default_weight"
+    ignored = [f"{name} is not in trusted_headers: stripped before classification, so it cannot pick a lane"
+               for name in stripped]
+    for name in facts.headers:
+        if name.startswith(":") or name in _TRANSPORT or classifier.trusted(name):
+            continue
+        if name == policy.estimation.model_header:
+            continue  # read for the model, trusted or not; said under the estimate
+        ignored.append(f"{name} is not in trusted_headers, so it cannot pick a lane or tenant")
+    return ClassificationView(
+        lane=result.lane, rule=result.rule, rule_index=index, lane_header=lane_header, checks=tuple(checks),
+        tenant=tenant, tenant_from=tenant_from,
+        tenant_weight=weight if weight is not None else tenants.default_weight,
+        weight_from=weight_from, ignored=tuple(ignored),
+    )
+
+
+# -- the estimate -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class EstimateView:
+    job: Job
+    costs_from: str
+    prompt_from: str
+    output_from: str
+    occupancy: float
+    slowdown: float
+    overhead_ms: float
+    prefill_ms_per_token: float
+    decode_ms_per_token: float
+    predicted_s: float
+
+
+def estimate(policy: Policy, seen: Intake, occupancy: float = 0.0) -> EstimateView:
+    """The job and its predicted service time at ``occupancy``, from a fresh estimator (priors only)."""
+    config = policy.estimation
+    estimator = Estimator(config)
+    body = seen.body
+    job = estimator.job(seen.facts.model, body.prompt_chars, body.prompt_tokens, body.max_tokens)
+    model = job.model
+    if model is not None and model in config.models:
+        costs_from = f"estimation.models.{model}"
+        cost = config.models[model]
+    else:
+        costs_from = "estimation.default" + (f" ({model} has no entry in estimation.models)"
+                                             if model is not None else " (no model known)")
+        cost = config.default
+    if body.prompt_tokens is not None:
+        prompt_from = "token ids in the body"
+    elif seen.body_read:
+        prompt_from = f"{body.prompt_chars} chars / {config.chars_per_token:g} chars per token"
+    else:
+        prompt_from = "body not read" if seen.has_body else "no body"
+    output_from = ("max_tokens from the body" if body.max_tokens is not None
+                   else "estimation.default_max_tokens")
+    return EstimateView(
+        job=job, costs_from=costs_from, prompt_from=prompt_from, output_from=output_from,
+        occupancy=occupancy, slowdown=estimator.slowdown(occupancy), overhead_ms=cost.overhead_ms,
+        prefill_ms_per_token=cost.prefill_ms_per_token,
+        decode_ms_per_token=estimator.decode_ms_per_token(model),
+        predicted_s=estimator.predict(job, occupancy),
+    )
+
+
+# -- decisions at queue states ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LaneLoad:
+    inflight: int = 0
+    queued: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ScenarioResult:
+    name: str
+    asked: dict[str, LaneLoad]
+    reached: dict[str, LaneLoad]
+    """The state the scheduler was in when the sample came (differs from ``asked`` when unreachable)."""
+    notes: tuple[str, ...]
+    outcome: Outcome
+    reason: Reason | None
+    retry_after: int | None
+    predicted_s: float
+    evicted: tuple[str, ...] = ()
+    borrowed: bool = False
+    """Admitted beyond its lane's max_inflight, on another lane's idle slot."""
+    then: Outcome | None = None
+    """For a queued request: admitted or rejected (deadline_expired), played forward."""
+    then_reason: Reason | None = None
+    then_after_s: float | None = None
+
+
+def parse_state(texts: Iterable[str], policy: Policy) -> dict[str, LaneLoad]:
+    """``--state interactive=inflight:50,queued:10`` (repeatable, one lane each) → loads by lane."""
+    known = [lane.name for lane in policy.lanes]
+    out: dict[str, LaneLoad] = {}
+    for text in texts:
+        name, sep, items = text.partition("=")
+        name = name.strip()
+        if not sep:
+            raise ExplainError(f"--state {text!r}: expected LANE=inflight:N,queued:M")
+        if name not in known:
+            raise ExplainError(f"--state {text!r}: unknown lane {name!r}; lanes: {', '.join(known)}")
+        if name in out:
+            raise ExplainError(f"--state: lane {name} given twice")
+        counts = {"inflight": 0, "queued": 0}
+        for item in items.split(","):
+            match = _STATE_ITEM.match(item)
+            if match is None:
+                raise ExplainError(f"--state {text!r}: expected inflight:N and/or queued:M, got {item!r}")
+            counts[match.group(1)] = int(match.group(2))
+        out[name] = LaneLoad(**counts)
+    return out
+
+
+def _by_priority(policy: Policy) -> list[Lane]:
+    return sorted(policy.lanes, key=lambda lane: (-lane.priority, lane.name))
+
+
+def busy(policy: Policy) -> dict[str, LaneLoad]:
+    """Every lane at its limit, highest priority first, then borrowers on what is left of the capacity."""
+    left = policy.total_capacity
+    counts: dict[str, int] = {}
+    for lane in _by_priority(policy):
+        n = 0 if lane.closed else min(lane.max_inflight, left)
+        if n:
+            counts[lane.name] = n
+            left -= n
+    for lane in _by_priority(policy):
+        if left and lane.borrow and not lane.closed:
+            extra = left if lane.max_borrow is None else min(left, lane.max_borrow)
+            counts[lane.name] = counts.get(lane.name, 0) + extra
+            left -= extra
+    return {name: LaneLoad(n) for name, n in counts.items()}
+
+
+def default_scenarios(policy: Policy, lane_name: str) -> list[tuple[str, dict[str, LaneLoad]]]:
+    """Idle; the lane at its limit; all slots busy; and the lane's queue full on top of that."""
+    lane = policy.lane(lane_name)
+    out: list[tuple[str, dict[str, LaneLoad]]] = [("idle", {})]
+    if lane.closed:
+        return out  # every state gives lane_closed
+    at_limit = {lane.name: LaneLoad(lane.max_inflight)}
+    out.append((f"{lane.name} at its in-flight limit", at_limit))
+    full = busy(policy)
+    used = sum(load.inflight for load in full.values())
+    cap = policy.total_capacity
+    busy_name = f"all {cap} slots busy" if used == cap else f"{used} of {cap} slots busy (all lanes may use)"
+    if full != at_limit:
+        out.append((busy_name, full))
+    if lane.max_queued:
+        queued = dict(full)
+        queued[lane.name] = LaneLoad(full.get(lane.name, LaneLoad()).inflight, lane.max_queued)
+        out.append((f"{busy_name}, {lane.name}'s queue full ({lane.max_queued})", queued))
+    return out
+
+
+def _why_not_admitted(scheduler: Scheduler, lane: Lane) -> str:
+    if lane.closed:
+        return "the lane is closed"
+    cap = scheduler.policy.total_capacity
+    if scheduler.total_inflight >= cap:
+        return f"all {cap} slots are taken"
+    if lane.borrow:
+        return f"its limit is {lane.max_inflight}, and it may borrow no more"
+    return f"its limit is {lane.max_inflight} and it may not borrow"
+
+
+def _fill(scheduler: Scheduler, loads: Mapping[str, LaneLoad], tenant: str, job: Job,
+          now: float) -> tuple[list[Ticket], list[str]]:
+    """Submit synthetic requests until ``loads`` is reached (or cannot be); say where it fell short."""
+    tickets: list[Ticket] = []
+    notes: list[str] = []
+    policy = scheduler.policy
+    for name, load in loads.items():
+        for i in range(load.inflight):
+            decision, _ = scheduler.submit(name, tenant, job, now)
+            if decision.outcome is not Outcome.ADMITTED:
+                if decision.outcome is Outcome.QUEUED:
+                    scheduler.release(decision.ticket, now, learn=False)
+                notes.append(f"{name}: only {i} of {load.inflight} can be in flight: "
+                             f"{_why_not_admitted(scheduler, policy.lane(name))}")
+                break
+            tickets.append(decision.ticket)
+    for name, load in loads.items():
+        for i in range(load.queued):
+            decision, evicted = scheduler.submit(name, tenant, job, now)
+            for gone in evicted:
+                notes.append(f"{name}: filling its queue evicted a queued {gone.ticket.lane} request "
+                             f"({gone.reason})")
+            if decision.outcome is Outcome.ADMITTED:
+                scheduler.release(decision.ticket, now, learn=False)
+                notes.append(f"{name}: cannot hold queued requests while a slot is free for it "
+                             f"(queued {i} of {load.queued})")
+                break
+            if decision.outcome is Outcome.REJECTED:
+                notes.append(f"{name}: only {i} of {load.queued} can be queued: the next is rejected "
+                             f"({decision.reason})")
+                break
+            tickets.append(decision.ticket)
+    return tickets, notes
+
+
+def _play_forward(scheduler: Scheduler, tickets: list[Ticket], sample: Ticket, now: float
+                  ) -> tuple[Outcome, Reason | None, float]:
+    """Run the state on predicted service times, no new arrivals, until ``sample`` leaves the queue."""
+    start = now
+    for _ in range(_MAX_STEPS):
+        if sample.state is not State.QUEUED:
+            break
+        ends = [t.admitted_at + t.predicted for t in tickets
+                if t.state is State.INFLIGHT and t.admitted_at is not None]
+        timer = scheduler.next_timer()
+        moments = ends + ([timer] if timer is not None else [])
+        if not moments:
+            break
+        now = max(now, min(moments))
+        for t in tickets:
+            if t.state is State.INFLIGHT and t.admitted_at is not None and t.admitted_at + t.predicted <= now:
+                scheduler.release(t, now, learn=False)
+        for decision in scheduler.expire(now):
+            if decision.ticket is sample:
+                return decision.outcome, decision.reason, now - start
+    if sample.state is State.INFLIGHT and sample.admitted_at is not None:
+        return Outcome.ADMITTED, None, sample.admitted_at - start
+    return Outcome.QUEUED, None, now - start
+
+
+def _snapshot(scheduler: Scheduler) -> dict[str, LaneLoad]:
+    return {name: LaneLoad(view.inflight, view.queued)
+            for name, view in scheduler.snapshot(0.0).items() if view.inflight or view.queued}
+
+
+def run_scenario(policy: Policy, name: str, loads: Mapping[str, LaneLoad], lane: str, tenant: str,
+                 job: Job, fill_job: Job | None = None, seed: int = 0) -> ScenarioResult:
+    """Fill a real scheduler to ``loads``, submit the sample, and say what happens to it."""
+    scheduler = Scheduler(policy, rng=random.Random(seed))
+    now = 0.0
+    tickets, notes = _fill(scheduler, loads, tenant, fill_job or job, now)
+    reached = _snapshot(scheduler)
+    decision: Decision
+    decision, evicted = scheduler.submit(lane, tenant, job, now)
+    sample = decision.ticket
+    gone = tuple(f"a queued {d.ticket.lane} request ({d.reason})" for d in evicted)
+    result = ScenarioResult(
+        name=name, asked=dict(loads), reached=reached, notes=tuple(notes), outcome=decision.outcome,
+        reason=decision.reason, retry_after=decision.retry_after, predicted_s=sample.predicted, evicted=gone,
+        borrowed=(decision.outcome is Outcome.ADMITTED
+                  and scheduler.snapshot(now)[lane].inflight > policy.lane(lane).max_inflight),
+    )
+    if decision.outcome is not Outcome.QUEUED:
+        return result
+    then, reason, after = _play_forward(scheduler, [*tickets, sample], sample, now)
+    return replace(result, then=then, then_reason=reason, then_after_s=after)
+
+
+# -- the whole explanation --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Explanation:
+    source: str
+    policy: Policy
+    request: SampleRequest
+    intake: Intake
+    classification: ClassificationView
+    lane: Lane
+    estimate: EstimateView
+    scenarios: tuple[ScenarioResult, ...]
+    fill_tokens: int | None = None
+    shadow: str | None = None
+    """Why the lane only observes (shadow mode), when it does: the scenarios show what enforcing would do."""
+
+
+def explain(policy: Policy, request: SampleRequest, *, source: str = "", occupancy: float = 0.0,
+            state: Mapping[str, LaneLoad] | None = None, fill_tokens: int | None = None,
+            seed: int = 0) -> Explanation:
+    """Everything ``extproc policy explain`` says, as values."""
+    seen = intake(policy, request)
+    view = classify(policy, seen.facts, seen.stripped)
+    sized = estimate(policy, seen, occupancy)
+    job = sized.job
+    fill_job = Job(job.model, job.prompt_tokens, fill_tokens) if fill_tokens is not None else job
+    scenarios = [("given state", dict(state))] if state else default_scenarios(policy, view.lane)
+    lane = policy.lane(view.lane)
+    shadow: str | None = None
+    if policy.shadow or lane.shadow:
+        shadow = "policy.shadow is true" if policy.shadow else f"lane {lane.name} has shadow: true"
+    # In shadow mode every request is admitted, so no queue state could even be reached: show
+    # what the policy would do once it enforces, which is what shadow mode is there to tell.
+    enforcing = _enforcing(policy) if shadow else policy
+    results = tuple(run_scenario(enforcing, name, loads, view.lane, view.tenant, job, fill_job, seed)
+                    for name, loads in scenarios)
+    return Explanation(source, policy, request, seen, view, lane, sized, results,
+                       fill_tokens=fill_tokens, shadow=shadow)
+
+
+def _enforcing(policy: Policy) -> Policy:
+    lanes = tuple(lane.model_copy(update={"shadow": False}) for lane in policy.lanes)
+    return policy.model_copy(update={"shadow": False, "lanes": lanes})
+
+
+def _seconds(value: float) -> str:
+    if value < 1:
+        return f"{value * 1000:.0f} ms"
+    return f"{value:.2f} s" if value < 10 else f"{value:.1f} s"
+
+
+def duration(value: float) -> str:
+    """A policy duration the way policy files write it: ``250ms``, ``10s``, ``1.5s``."""
+    return f"{value * 1000:g}ms" if value < 1 else f"{value:g}s"
+
+
+def lane_summary(lane: Lane) -> str:
+    parts = [f"priority {lane.priority}", f"{lane.max_inflight} in flight", f"{lane.max_queued} queued",
+             f"deadline {duration(lane.deadline)}"]
+    if lane.borrow:
+        parts.append("may borrow" + (f" up to {lane.max_borrow}" if lane.max_borrow is not None else ""))
+    if lane.evictable:
+        parts.append("evictable")
+    if lane.closed:
+        parts.append("CLOSED")
+    return ", ".join(parts)
+
+
+def _state_text(policy: Policy, loads: Mapping[str, LaneLoad]) -> str:
+    if not loads:
+        return "nothing in flight or queued"
+    parts = []
+    for lane in _by_priority(policy):
+        load = loads.get(lane.name)
+        if load is None:
+            continue
+        text = f"{lane.name} {load.inflight}/{lane.max_inflight}"
+        if load.queued:
+            text += f" +{load.queued} queued"
+        parts.append(text)
+    return ", ".join(parts)
+
+
+def _verdict(result: ScenarioResult, lane: Lane) -> str:
+    if result.outcome is Outcome.ADMITTED:
+        text = "ADMITTED at once"
+        if result.borrowed:
+            text += " on a slot borrowed from an idle lane"
+    elif result.outcome is Outcome.REJECTED:
+        reason = result.reason or Reason.QUEUE_FULL
+        text = f"REJECTED {reason.http_status} {reason}, Retry-After {result.retry_after} s"
+    else:
+        text = "QUEUED"
+        if result.then is Outcome.ADMITTED and result.then_after_s is not None:
+            text += (f", starts after ~{_seconds(result.then_after_s)} "
+                     f"(deadline {duration(lane.deadline)})")
+        elif result.then is Outcome.REJECTED and result.then_after_s is not None:
+            text += (f", then REJECTED {result.then_reason} after {_seconds(result.then_after_s)}: "
+                     "no slot comes its way before its deadline")
+    text += f"; predicted service {_seconds(result.predicted_s)}"
+    return text
+
+
+def render(expl: Explanation) -> str:
+    """Plain text, in the order a request meets the policy."""
+    r, seen, view, est = expl.request, expl.intake, expl.classification, expl.estimate
+    lines = [f"policy    {expl.source}" if expl.source else "policy    (given)",
+             f"request   {r.method} {r.path}"]
+    lines += [f"          {k}: {v}" for k, v in r.headers.items()]
+    if r.body is None or not r.body:
+        lines.append("body      none")
+    elif seen.body_read:
+        b = seen.body
+        got = [f"model {b.model}" if b.model is not None else "no model",
+               f"max_tokens {b.max_tokens}" if b.max_tokens is not None else "no max_tokens",
+               f"{b.prompt_tokens} prompt token ids" if b.prompt_tokens is not None
+               else f"{b.prompt_chars} prompt chars"]
+        note = f" ({b.note})" if b.note else ""
+        lines.append(f"body      {len(r.body)} bytes, read{note}: {', '.join(got)}")
+        lines.append(f"          why read: {seen.body_why}")
+    else:
+        lines.append(f"body      {len(r.body)} bytes, {seen.body_why}")
+
+    lines += ["", f"classification → lane {view.lane}, tenant {view.tenant}"]
+    if view.lane_header:
+        lines.append(f"  {view.lane_header}")
+    for check in view.checks:
+        head = f"  rule {check.index} {check.name} (→ {check.lane}; {check.conditions}):"
+        lines.append(f"{head} MATCH" if check.matched else f"{head} no: {'; '.join(check.why)}")
+        if check.matched and check.index < len(expl.policy.classification.rules) - 1:
+            lines.append(f"  rules after {check.name} are not tried: the first match wins")
+    if view.rule == "default":
+        none = "no rule matches" if view.checks else "the policy has no rules"
+        lines.append(f"  {none}, so classification.default_lane {view.lane} takes it")
+    lines.append(f"  lane      {view.lane}: {lane_summary(expl.lane)}")
+    lines.append(f"  tenant    {view.tenant} from {view.tenant_from}; weight {view.tenant_weight:g} "
+                 f"({view.weight_from})")
+    lines += [f"  ignored   {text}" for text in view.ignored]
+
+    job = est.job
+    lines += ["", f"estimate → {_seconds(est.predicted_s)} at occupancy {est.occupancy:.0%}",
+              f"  model     {job.model or '(unknown)'}"
+              + (f" from {seen.model_from}" if seen.model_from else "") + f"; costs from {est.costs_from}",
+              f"  prompt    {job.prompt_tokens} tokens ({est.prompt_from})",
+              f"  output    {job.output_tokens} tokens ({est.output_from})",
+              f"  time      {est.overhead_ms:g} ms overhead + {job.prompt_tokens} × "
+              f"{est.prefill_ms_per_token:g} ms prefill + {job.output_tokens} × "
+              f"{est.decode_ms_per_token:g} ms decode × {est.slowdown:.2f} slowdown "
+              f"= {est.predicted_s * 1000:.0f} ms",
+              "            (priors: a running replica also learns decode cost from finished requests)"]
+
+    fill = (f"requests of {expl.fill_tokens} output tokens" if expl.fill_tokens is not None
+            else "requests like this one")
+    lines += ["", f"decisions (the state is filled with {fill} from tenant {view.tenant}, all arriving now)"]
+    if expl.shadow:
+        lines += [f"  SHADOW MODE ({expl.shadow}): the live service admits every request of this lane",
+                  "  at once, marking what enforcing would do (x-extproc-shadow); below: what enforcing does"]
+    for result in expl.scenarios:
+        lines.append(f"  {result.name}: {_state_text(expl.policy, result.reached)}")
+        lines.append(f"    → {_verdict(result, expl.lane)}")
+        lines += [f"      evicts {text}" for text in result.evicted]
+        lines += [f"      note: {text}" for text in result.notes]
+    return "\n".join(lines)
+
+
+def as_json(expl: Explanation) -> dict[str, Any]:
+    """The explanation as plain JSON data (``--json``)."""
+    r, seen, view, est = expl.request, expl.intake, expl.classification, expl.estimate
+    body = seen.body
+    return {
+        "policy": expl.source,
+        "request": {"method": r.method, "path": r.path, "headers": r.headers,
+                    "body_bytes": len(r.body) if r.body is not None else None},
+        "stripped_headers": list(seen.stripped),
+        "body": {"read": seen.body_read, "why": seen.body_why, "model": body.model,
+                 "max_tokens": body.max_tokens, "prompt_chars": body.prompt_chars,
+                 "prompt_tokens": body.prompt_tokens, "note": body.note},
+        "classification": {
+            "lane": view.lane, "rule": view.rule, "rule_index": view.rule_index,
+            "lane_header": view.lane_header,
+            "rules_tried": [{"index": c.index, "name": c.name, "lane": c.lane, "conditions": c.conditions,
+                             "matched": c.matched, "why_not": list(c.why)} for c in view.checks],
+            "tenant": view.tenant, "tenant_from": view.tenant_from, "tenant_weight": view.tenant_weight,
+            "weight_from": view.weight_from, "ignored_headers": list(view.ignored),
+        },
+        "lane": expl.lane.model_dump(mode="json"),
+        "estimate": {
+            "model": est.job.model, "model_from": seen.model_from or None, "costs_from": est.costs_from,
+            "prompt_tokens": est.job.prompt_tokens, "prompt_from": est.prompt_from,
+            "output_tokens": est.job.output_tokens, "output_from": est.output_from,
+            "occupancy": est.occupancy, "slowdown": est.slowdown, "overhead_ms": est.overhead_ms,
+            "prefill_ms_per_token": est.prefill_ms_per_token, "decode_ms_per_token": est.decode_ms_per_token,
+            "predicted_s": est.predicted_s,
+        },
+        "fill_tokens": expl.fill_tokens,
+        "shadow": expl.shadow,
+        "scenarios": [{
+            "name": s.name,
+            "asked": {k: {"inflight": v.inflight, "queued": v.queued} for k, v in s.asked.items()},
+            "reached": {k: {"inflight": v.inflight, "queued": v.queued} for k, v in s.reached.items()},
+            "notes": list(s.notes), "outcome": s.outcome.value,
+            "reason": s.reason.value if s.reason else None, "retry_after": s.retry_after,
+            "predicted_s": s.predicted_s, "borrowed": s.borrowed, "evicted": list(s.evicted),
+            "then": s.then.value if s.then else None,
+            "then_reason": s.then_reason.value if s.then_reason else None, "then_after_s": s.then_after_s,
+        } for s in expl.scenarios],
+    }
+
+
+# -- the command ------------------------------------------------------------------------------------
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}")
+    return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number above 0, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number above 0, got {text!r}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", metavar="FILE", help="the policy file")
+    parser.add_argument("--request", metavar="JSON|@FILE",
+                        help='the request: {"method": ..., "path": ..., "headers": {...}, "body": ...}; '
+                        "a string body is sent as it is, any other JSON body as its JSON text")
+    parser.add_argument("--method", help="HTTP method (default: POST, or the one in --request)")
+    parser.add_argument("--path", help="request path (replaces the one in --request)")
+    parser.add_argument("-H", "--header", dest="headers", action="append", default=[],
+                        metavar="'NAME: VALUE'", help="a request header (repeatable; replaces --request's)")
+    parser.add_argument("--body", metavar="JSON|@FILE",
+                        help="the request body, sent as it is (@FILE: any bytes, read from FILE)")
+    parser.add_argument("--occupancy", type=_fraction, default=0.0, metavar="0..1",
+                        help="share of capacity busy for the estimate, 0..1 (default 0)")
+    parser.add_argument("--state", action="append", default=[], metavar="LANE=inflight:N,queued:M",
+                        help="decide at this queue state instead of the default scenarios (repeatable)")
+    parser.add_argument("--fill-tokens", type=_positive, default=None, metavar="N",
+                        help="output tokens of the synthetic requests that fill a state "
+                        "(default: as many as this request)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of Retry-After jitter")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def command(args: argparse.Namespace) -> int:
+    try:
+        policy = load_policy(args.file)
+    except PolicyError as exc:
+        print(f"{args.file}: {len(exc.problems)} problem(s)", file=sys.stderr)
+        for problem in exc.problems:
+            print(f"  {problem}", file=sys.stderr)
+        return 2
+    try:
+        request = sample_request(args.request, method=args.method, path=args.path, headers=args.headers,
+                                 body=args.body)
+        state = parse_state(args.state, policy)
+    except ExplainError as exc:
+        print(f"extproc policy explain: {exc}", file=sys.stderr)
+        return 2
+    expl = explain(policy, request, source=args.file, occupancy=args.occupancy, state=state,
+                   fill_tokens=args.fill_tokens, seed=args.seed)
+    print(json.dumps(as_json(expl), indent=2) if args.json else render(expl))
+    return 0
