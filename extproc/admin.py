@@ -12,7 +12,9 @@ from collections.abc import Callable
 from typing import Any
 
 from extproc.controller import Controller
+from extproc.core.saturation import RuleState
 from extproc.policy.watcher import PolicyFile, ReloadResult
+from extproc.signals.hub import SignalHub
 
 STATE_VERSION = 1
 
@@ -23,12 +25,10 @@ def _round(value: float | None, digits: int = 4) -> float | None:
 
 class Admin:
     def __init__(self, controller: Controller, policy_file: PolicyFile, *,
-                 extra: Callable[[], dict[str, Any]] | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 signals: SignalHub | None = None, clock: Callable[[], float] = time.time) -> None:
         self.controller = controller
         self.policy_file = policy_file
-        #: More sections of the state document (signals, saturation) from parts wired in later.
-        self.extra = extra
+        self.signals = signals
         self._clock = clock
         self._started = clock()
 
@@ -67,7 +67,7 @@ class Admin:
                 "priority": view.priority,
                 "inflight": view.inflight,
                 "limit": view.limit,
-                "effective_limit": view.limit,
+                "effective_limit": view.effective_limit,
                 "borrowed": view.borrowed,
                 "queued": view.queued,
                 "max_queued": view.max_queued,
@@ -75,7 +75,7 @@ class Admin:
                 "closed": view.closed,
                 "shadow": view.shadow,
                 "retired": view.retired,
-                "shed": None,
+                "shed": view.shed_by,
                 "wait_p50_s": _round(r.wait_p50) if r else None,
                 "wait_p95_s": _round(r.wait_p95) if r else None,
                 "admit_per_s": round(r.admit_per_s, 3) if r else 0.0,
@@ -105,9 +105,35 @@ class Admin:
             },
             "window_s": controller.recent.window_s,
             "lanes": lanes,
-            "signals": [],
-            "saturation": [],
+            "signals": self._signals(now),
+            "saturation": [self._rule(rule, now, wall) for rule in controller.saturation.rules(now)],
         }
-        if self.extra is not None:
-            doc.update(self.extra())
         return doc
+
+    def _signals(self, now: float) -> list[dict[str, Any]]:
+        if self.signals is None:
+            return []
+        return [{
+            "name": s.name,
+            "source": s.source,
+            "kind": s.kind,
+            "value": s.value,
+            "age_s": _round(s.age, 2),
+            "stale": s.stale,
+            "error": s.error,
+        } for s in self.signals.status(now)]
+
+    @staticmethod
+    def _rule(rule: RuleState, now: float, wall: float) -> dict[str, Any]:
+        return {
+            "rule": rule.name,
+            "signal": rule.signal,
+            "active": rule.active,
+            # The scheduler's clock is monotonic: shown as wall-clock time for humans.
+            "since": round(wall - (now - rule.since), 3) if rule.since is not None else None,
+            "value": rule.value,
+            "stale": rule.stale,
+            "error": rule.error,
+            "shed": list(rule.shed),
+            "shrink": dict(rule.shrink),
+        }

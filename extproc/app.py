@@ -28,6 +28,7 @@ from extproc.servers import admin as admin_http
 from extproc.servers import http
 from extproc.servers.extproc import ExternalProcessor
 from extproc.settings import Settings
+from extproc.signals.hub import SaturationCollector, SignalHub
 
 log = structlog.get_logger("extproc")
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -54,6 +55,9 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
     controller = Controller(policy, metrics, rng=rng)
     processor = ExternalProcessor(controller)
     controller.on_reconfigure.append(lambda _: processor.reconfigure())
+    registry.register(SaturationCollector(controller.saturation, controller.now))
+    hub = SignalHub(policy.signals, registry, controller.now, controller.on_signals)
+    controller.on_reconfigure.append(lambda new: hub.reconfigure(new.signals))
 
     def reloaded(result: ReloadResult) -> None:
         metrics.policy_reloads.labels("ok" if result.ok else "error").inc()
@@ -91,7 +95,7 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
         raise StartupError(f"cannot listen for HTTP on {settings.http}: {exc.strerror}") from None
     admin_runner: web.AppRunner | None = None
     if settings.admin is not None:
-        admin = Admin(controller, policy_file)
+        admin = Admin(controller, policy_file, signals=hub)
         admin_runner = web.AppRunner(admin_http.build_app(admin, settings.admin_token), access_log=None)
         await admin_runner.setup()
         try:
@@ -105,6 +109,7 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
 
     await server.start()
     controller.start()
+    hub.start()
     for name in ("", EXT_PROC_SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("serving", grpc=str(settings.grpc), http=str(settings.http),
@@ -123,6 +128,7 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
         if not finished:
             log.warning("grace period over", inflight=controller.scheduler.total_inflight)
         await server.stop(grace=1.0)
+        await hub.stop()
         await controller.stop()
         if watcher is not None:
             watcher.cancel()

@@ -14,14 +14,19 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+
+import structlog
 
 from extproc.core.admission import Decision, LaneView, Scheduler, State, Ticket
 from extproc.core.decision import Outcome
 from extproc.core.estimate import Job
 from extproc.core.recent import ADMIT, REJECT, SHADOW, Recent
+from extproc.core.saturation import Effect, Reading, Saturation
 from extproc.metrics import Metrics
 from extproc.policy.schema import Policy
+
+log = structlog.get_logger("extproc")
 
 
 class Controller:
@@ -42,6 +47,8 @@ class Controller:
         self.recent = Recent()
         #: Called after every policy swap (the classifier is rebuilt there).
         self.on_reconfigure: list[Callable[[Policy], None]] = []
+        #: Saturation rules over cluster signals; readings arrive through ``on_signals``.
+        self.saturation = Saturation(policy.signals)
         metrics.watch(self.lanes, lambda: self.scheduler.draining)
 
     @property
@@ -79,9 +86,31 @@ class Controller:
     def resume(self, lane: str) -> None:
         self._settle(self.scheduler.resume(lane, self.now()))
 
+    def apply_saturation(self, effects: Mapping[str, Effect]) -> None:
+        """What cluster signals say now; shed lanes' queued requests are answered at once."""
+        self._settle(self.scheduler.apply_saturation(effects, self.now()))
+        self._update_idle()
+
+    def on_signals(self, readings: Mapping[str, Reading], now: float) -> None:
+        """New signal readings (``now`` on this controller's clock): re-evaluate saturation rules."""
+        changes = self.saturation.update(readings, now)
+        for change in changes:
+            log.warning("saturation rule active" if change.active else "saturation rule released",
+                        rule=change.rule, signal=change.signal, value=change.value, stale=change.stale,
+                        why=change.why)
+        if changes:
+            self._apply_effects()
+
+    def _apply_effects(self) -> None:
+        saturation = self.saturation
+        self.apply_saturation({lane: saturation.effect(lane) for lane in saturation.lanes()})
+
     def reconfigure(self, policy: Policy) -> None:
         """Swap in a new policy at once; queued work it lets start is admitted."""
         self._settle(self.scheduler.reconfigure(policy, self.now()))
+        # Rules may have been added, removed or retargeted: re-derive every lane's effect.
+        self.saturation.reconfigure(policy.signals)
+        self._apply_effects()
         for listener in self.on_reconfigure:
             listener(policy)
         self._wake.set()
@@ -150,6 +179,9 @@ class Controller:
         elif decision.outcome is Outcome.REJECTED:
             if decision.reason is not None:
                 metrics.rejections_of(lane, decision.reason.value).inc()
+            effect = decision.saturation
+            if effect is not None:
+                metrics.saturation_rejections.labels(lane, effect.shed_by or "", effect.signal or "").inc()
             self.recent.add(lane, REJECT, self.now())
 
     def _settle(self, decisions: Iterable[Decision]) -> None:

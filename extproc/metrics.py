@@ -64,6 +64,10 @@ class _StateCollector(Collector):
             "inference_inflight_limit", "The lane's own in-flight limit (borrowing may exceed it).",
             labels=["lane"],
         )
+        effective = GaugeMetricFamily(
+            "extproc_inflight_effective_limit", "The lane's in-flight limit in force: its own, shrunk "
+            "while a saturation rule says so.", labels=["lane"],
+        )
         borrowed = GaugeMetricFamily(
             "inference_borrowed_slots", "In-flight requests above the lane's own limit, on idle slots "
             "of other lanes.", labels=["lane"],
@@ -72,8 +76,9 @@ class _StateCollector(Collector):
             pending.add_metric([name], view.queued)
             inflight.add_metric([name], view.inflight)
             limit.add_metric([name], view.limit)
+            effective.add_metric([name], view.effective_limit)
             borrowed.add_metric([name], view.borrowed)
-        yield from (pending, inflight, limit, borrowed)
+        yield from (pending, inflight, limit, effective, borrowed)
         yield GaugeMetricFamily(
             "extproc_draining", "1 while this replica is shutting down and admits nothing.",
             value=1.0 if self._draining() else 0.0,
@@ -98,6 +103,10 @@ class Metrics:
         self.rejections = Counter(
             "inference_admission_rejections", "Requests answered by extproc itself, by lane and reason.",
             ["lane", "reason"], registry=registry,
+        )
+        self.saturation_rejections = Counter(
+            "extproc_saturation_rejections", "Requests shed because a cluster signal says the backend is "
+            "saturated, by lane, saturation rule and signal.", ["lane", "rule", "signal"], registry=registry,
         )
         self.shadow = Counter(
             "extproc_shadow_decisions", "Requests a shadow-mode lane admitted that enforcing would have "

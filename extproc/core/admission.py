@@ -22,6 +22,7 @@ import heapq
 import itertools
 import math
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -29,6 +30,7 @@ from extproc.core.decision import Outcome, Reason
 from extproc.core.estimate import Estimator, Job
 from extproc.core.queue import Entry, LaneQueue, rank_of
 from extproc.core.retry import retry_after
+from extproc.core.saturation import Effect
 from extproc.policy.schema import Lane, Policy
 
 #: Dead leases tolerated beyond twice the in-flight count before the lease heap is rebuilt.
@@ -68,6 +70,8 @@ class Decision:
     ticket: Ticket
     reason: Reason | None = None
     retry_after: int | None = None
+    saturation: Effect | None = None
+    """For a saturation rejection: the rule and signal behind it."""
     shadow: Outcome | None = None
     """In shadow mode: what enforcing would have done (queued or rejected, with ``reason``)."""
 
@@ -87,6 +91,10 @@ class LaneView:
     shadow: bool = False
     retired: bool = False
     """Removed from the policy by a reload; still finishing its queued and in-flight requests."""
+    effective_limit: int = 0
+    """The in-flight limit in force: ``limit`` shrunk by saturation."""
+    shed_by: str | None = None
+    """The saturation rule shedding the lane's new requests, if any."""
 
 
 def _remaining(ticket: Ticket, now: float) -> float:
@@ -111,6 +119,8 @@ class Scheduler:
         self.draining = False
         self.paused: set[str] = set()
         self._retired: set[str] = set()
+        self._effects: dict[str, Effect] = {}
+        self._limits: dict[str, int] = {}
         self.reclaimed = 0
         self.reconfigure(policy)
 
@@ -144,7 +154,34 @@ class Scheduler:
             self._inflight.setdefault(name, {})
             if name not in self._queues:
                 self._queues[name] = LaneQueue(self._tenant_weight)
+        self._update_limits()
         return self._dispatch(now) if now is not None else []
+
+    def _update_limits(self) -> None:
+        self._limits = {
+            name: self._effects[name].limit(lane.max_inflight) if name in self._effects else lane.max_inflight
+            for name, lane in self._lanes.items()
+        }
+
+    def apply_saturation(self, effects: Mapping[str, Effect], now: float) -> list[Decision]:
+        """Swap in what cluster saturation does to each lane (lanes absent: no effect).
+
+        Shrunk limits take effect as slots free; a lane that starts being shed rejects new
+        requests and gives up its queued ones at once (it is the first to go); a lane no longer
+        shrunk gets its slots back at once.
+        """
+        self._effects = {lane: effect for lane, effect in effects.items()
+                         if effect.shed_by is not None or effect.factor < 1.0}
+        self._update_limits()
+        out: list[Decision] = []
+        for name, effect in self._effects.items():
+            if effect.shed_by is not None and name in self._queues and not self.shadowed(name):
+                for entry in list(self._queues[name].entries()):
+                    ticket = self._tickets_by_entry[entry.id]
+                    self._dequeue(ticket)
+                    out.append(self._reject(ticket, Reason.SATURATED, now, effect))
+        out.extend(self._dispatch(now))
+        return out
 
     def _tenant_weight(self, tenant: str) -> float:
         # Read from the current policy on each use, so a reload re-weights queued tenants too.
@@ -189,7 +226,7 @@ class Scheduler:
         return self.total_inflight / self._capacity
 
     def _within_quota(self, lane: Lane) -> bool:
-        return len(self._inflight[lane.name]) < lane.max_inflight
+        return len(self._inflight[lane.name]) < self._limits[lane.name]
 
     def _admissible(self, lane: Lane) -> bool:
         """Whether one more request of ``lane`` may start now without breaking any limit."""
@@ -197,11 +234,12 @@ class Scheduler:
         if total >= self._capacity or lane.closed or lane.name in self.paused:
             return False
         inflight = len(self._inflight[lane.name])
-        if inflight < lane.max_inflight:
+        limit = self._limits[lane.name]
+        if inflight < limit:
             return True
         if not lane.borrow:
             return False
-        if lane.max_borrow is not None and inflight >= lane.max_inflight + lane.max_borrow:
+        if lane.max_borrow is not None and inflight >= limit + lane.max_borrow:
             return False
         owed = 0
         for other in self._lanes.values():
@@ -209,7 +247,7 @@ class Scheduler:
                 continue
             waiting = len(self._queues[other.name])
             if waiting:
-                owed += min(waiting, max(0, other.max_inflight - len(self._inflight[other.name])))
+                owed += min(waiting, max(0, self._limits[other.name] - len(self._inflight[other.name])))
         return self._capacity - total - owed > 0
 
     def _estimated_wait(self, lane: Lane, rank: float, now: float) -> float:
@@ -221,7 +259,7 @@ class Scheduler:
         """
         inflight = self._inflight[lane.name]
         ends = [_remaining(t, now) for t in inflight.values()]
-        idle = lane.max_inflight - len(ends)
+        idle = self._limits[lane.name] - len(ends)
         if idle > 0:
             lent_back = 0.0
             if self.total_inflight >= self._capacity:
@@ -267,7 +305,8 @@ class Scheduler:
             return Decision(Outcome.ADMITTED, ticket, reason, shadow=outcome), []
         if outcome is Outcome.REJECTED:
             assert reason is not None
-            return self._reject(ticket, reason, now), []
+            cause = self._effects[lane.name] if reason is Reason.SATURATED else None
+            return self._reject(ticket, reason, now, cause), []
         evicted: list[Decision] = []
         if crowded is not None:
             evicted.append(self._withdraw(self._tickets_by_entry[crowded.id], Reason.FAIR_SHARE, now))
@@ -292,6 +331,8 @@ class Scheduler:
         """
         if lane.closed:
             return Outcome.REJECTED, Reason.LANE_CLOSED, None, 0.0
+        if self._effects and lane.name in self._effects and self._effects[lane.name].shed_by is not None:
+            return Outcome.REJECTED, Reason.SATURATED, None, 0.0
         queue = self._queues[lane.name]
         if not queue and self._admissible(lane):
             return Outcome.ADMITTED, None, None, 0.0
@@ -378,8 +419,9 @@ class Scheduler:
             views[name] = LaneView(
                 inflight=len(tickets),
                 limit=0 if retired else lane.max_inflight,
+                effective_limit=0 if retired else self._limits[name],
                 queued=len(queue),
-                borrowed=max(0, len(tickets) - lane.max_inflight),
+                borrowed=max(0, len(tickets) - self._limits[name]),
                 queued_work=queue.work,
                 tenants=queue.tenants(),
                 max_queued=lane.max_queued,
@@ -388,6 +430,7 @@ class Scheduler:
                 closed=lane.closed,
                 shadow=self.shadowed(name),
                 retired=retired,
+                shed_by=self._effects[name].shed_by if name in self._effects else None,
             )
         return views
 
@@ -434,11 +477,11 @@ class Scheduler:
         self._dequeue(ticket)
         return self._reject(ticket, reason, now)
 
-    def _reject(self, ticket: Ticket, reason: Reason, now: float) -> Decision:
+    def _reject(self, ticket: Ticket, reason: Reason, now: float, cause: Effect | None = None) -> Decision:
         ticket.state = State.DONE
         # Come back when a request queued now would start: jittered, bounded, never 0.
         wait = retry_after(self.backlog_wait(ticket.lane, now), self.policy.retry_after, self._rng)
-        return Decision(Outcome.REJECTED, ticket, reason, wait)
+        return Decision(Outcome.REJECTED, ticket, reason, wait, cause)
 
     def _victim(self, incoming: Lane) -> Ticket | None:
         for lane in reversed(self._order):

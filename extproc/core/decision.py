@@ -28,6 +28,10 @@ class Reason(StrEnum):
     FAIR_SHARE = "fair_share"
     LANE_CLOSED = "lane_closed"
     DRAINING = "draining"
+    SATURATED = "saturated"
+    """Shed because a cluster signal says the backend is saturated (the signal is named)."""
+    RETRY_BUDGET = "retry_budget"
+    """A retry beyond the retry budget: retries may only be a set share of admitted work."""
 
     @property
     def http_status(self) -> int:
@@ -47,4 +51,6 @@ _MESSAGES = {
     Reason.FAIR_SHARE: "The queued request gave its place to a tenant below its fair share of the queue.",
     Reason.LANE_CLOSED: "This lane is closed by policy.",
     Reason.DRAINING: "This admission controller is shutting down.",
+    Reason.SATURATED: "The inference cluster is saturated; this lane is shed until it recovers.",
+    Reason.RETRY_BUDGET: "Too many retries: the retry budget is spent. Retrying now cannot help.",
 }

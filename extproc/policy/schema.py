@@ -20,6 +20,9 @@ from pydantic import (
     model_validator,
 )
 
+from extproc.policy.signals import Signals
+from extproc.policy.signals import problems as signal_problems
+
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 _NAME = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
@@ -217,6 +220,8 @@ class Policy(_Strict):
     queueing: Queueing = Field(default_factory=Queueing)
     capacity: Capacity = Field(default_factory=Capacity)
     retry_after: RetryAfter = Field(default_factory=RetryAfter)
+    signals: Signals = Field(default_factory=Signals)
+    """Cluster signals (Prometheus queries, model-server scrapes) and the saturation rules on them."""
 
     @field_validator("trusted_headers")
     @classmethod
@@ -281,6 +286,7 @@ class Policy(_Strict):
                 f"capacity.max_inflight: {capacity} exceeds the lanes' total ({total}) but no lane "
                 f"may borrow, so the extra slots could never be used"
             )
+        problems.extend(signal_problems(self.signals, seen))
         if problems:
             # One problem per line: the loader splits them back into separate errors.
             raise ValueError("\n".join(problems))

@@ -39,8 +39,11 @@ from extproc.core.admission import Decision, Ticket
 from extproc.core.body import BodyFacts, read_body
 from extproc.core.classify import Classification, Classifier, RequestFacts
 from extproc.core.decision import Outcome, Reason
+from extproc.core.saturation import Effect
 
 HEADER_PREFIX = "x-extproc-"
+#: Rejections a prompt retry cannot turn around: shed under saturation, retry budget spent.
+_NO_RETRY = frozenset({Reason.SATURATED, Reason.RETRY_BUDGET})
 #: Envoy must never time out a hold before extproc answers it: the override carries this margin.
 HOLD_MARGIN_S = 2.0
 _OVERWRITE = HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
@@ -107,9 +110,11 @@ def _headers_of(message: pb.HttpHeaders) -> dict[str, str]:
     return out
 
 
-def error_body(reason: Reason, lane: str, retry_after: int | None) -> bytes:
+def error_body(reason: Reason, lane: str, retry_after: int | None, signal: str | None = None) -> bytes:
     """An OpenAI-style error document, so SDKs show a useful message and back off."""
     message = reason.message
+    if signal:
+        message += f" Signal: {signal}."
     if retry_after is not None:
         message += f" Retry after {retry_after} s."
     doc = {
@@ -129,7 +134,7 @@ class _Request:
 
     # One of these is made per request: slots spare it an instance __dict__.
     __slots__ = ("arrival", "body", "cls", "content_length", "headers", "model", "outcome", "p", "reason",
-                 "remove", "request_id", "shadow", "ticket")
+                 "remove", "request_id", "saturation", "shadow", "ticket")
 
     def __init__(self, processor: ExternalProcessor) -> None:
         self.p = processor
@@ -145,6 +150,7 @@ class _Request:
         self.reason: Reason | None = None
         #: In shadow mode, what enforcing would have done (with ``reason``).
         self.shadow: Outcome | None = None
+        self.saturation: Effect | None = None
         self.remove: list[str] = []
         self.content_length: int | None = None
         #: Wall-clock arrival (epoch seconds): lets the decision log be replayed as a trace.
@@ -216,6 +222,7 @@ class _Request:
     def answer(self, decision: Decision, phase: str) -> pb.ProcessingResponse:
         """CONTINUE with the x-extproc-* headers, or the rejection, for a final decision."""
         self.outcome, self.reason, self.shadow = decision.outcome, decision.reason, decision.shadow
+        self.saturation = decision.saturation
         if decision.outcome is not Outcome.ADMITTED:
             return self._reject(decision)
         t = decision.ticket
@@ -248,10 +255,19 @@ class _Request:
         ]
         if decision.retry_after is not None:
             headers.append(_header("retry-after", str(decision.retry_after)))
+        effect = decision.saturation
+        signal = None
+        if effect is not None:
+            signal = effect.signal
+            headers.append(_header("x-extproc-signal", effect.signal or ""))
+            headers.append(_header("x-extproc-rule", effect.shed_by or ""))
+        if reason in _NO_RETRY:
+            # The OpenAI SDKs obey this: an immediate retry would meet the same answer.
+            headers.append(_header("x-should-retry", "false"))
         return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
             status=HttpStatus(code=reason.http_status),
             headers=pb.HeaderMutation(set_headers=headers),
-            body=error_body(reason, lane, decision.retry_after),
+            body=error_body(reason, lane, decision.retry_after, signal),
             details=f"extproc_{reason.value}",
         ))
 
@@ -299,6 +315,9 @@ class _Request:
             fields["service_ms"] = service_ms
             fields["prompt_tokens"] = job.prompt_tokens
             fields["output_tokens"] = job.output_tokens
+        if self.saturation is not None:
+            fields["signal"] = self.saturation.signal
+            fields["saturation_rule"] = self.saturation.shed_by
         if self.shadow is not None:
             fields["shadow"] = self.shadow.value
             fields["shadow_reason"] = self.reason.value if self.reason else None

@@ -6,6 +6,7 @@ import pytest
 
 from extproc.core.admission import State
 from extproc.core.decision import Outcome, Reason
+from extproc.core.saturation import Effect
 from tests.unit.test_admission import admitted, job, lane, make_policy, scheduler, submit
 
 
@@ -165,3 +166,39 @@ def test_undrain_admits_again() -> None:
     assert submit(s, "a", 0.0).reason is Reason.DRAINING
     s.undrain(1.0)
     assert submit(s, "a", 1.0).outcome is Outcome.ADMITTED
+
+
+def test_saturation_sheds_a_lane_naming_the_rule_and_signal_and_drops_its_queue() -> None:
+    s = scheduler(make_policy([lane("a", 1), lane("b", 1)]))
+    submit(s, "b", 0.0)
+    queued = submit(s, "b", 0.0)
+    effect = Effect(shed_by="kueue-backlog", signal="kueue_pending")
+    (dropped,) = s.apply_saturation({"b": effect}, 1.0)
+    assert (dropped.ticket, dropped.reason, dropped.saturation) == (queued.ticket, Reason.SATURATED, effect)
+    rejected = submit(s, "b", 1.0)
+    assert (rejected.outcome, rejected.reason) == (Outcome.REJECTED, Reason.SATURATED)
+    assert rejected.saturation == effect
+    assert submit(s, "a", 1.0).outcome is Outcome.ADMITTED
+    assert s.snapshot(1.0)["b"].shed_by == "kueue-backlog"
+    # Recovered: the lane admits again.
+    assert s.apply_saturation({}, 2.0) == []
+    assert submit(s, "b", 2.0).outcome is Outcome.QUEUED
+
+
+def test_saturation_shrinks_a_limit_and_gives_it_back() -> None:
+    s = scheduler(make_policy([lane("a", 4)]))
+    running = [submit(s, "a", 0.0).ticket for _ in range(2)]
+    s.apply_saturation({"a": Effect(signal="kv", shrunk_by="kv-high", factor=0.5)}, 1.0)
+    assert s.snapshot(1.0)["a"].effective_limit == 2
+    waiting = submit(s, "a", 1.0)
+    assert waiting.outcome is Outcome.QUEUED
+    assert admitted(s.apply_saturation({}, 2.0)) == [waiting.ticket]
+    assert all(t.state is State.INFLIGHT for t in running)
+
+
+def test_shadow_mode_only_counts_saturation_shedding() -> None:
+    s = scheduler(make_policy([lane("a", 1, shadow=True)]))
+    s.apply_saturation({"a": Effect(shed_by="r", signal="sig")}, 0.0)
+    decision = submit(s, "a", 0.0)
+    assert (decision.outcome, decision.shadow, decision.reason) == (
+        Outcome.ADMITTED, Outcome.REJECTED, Reason.SATURATED)

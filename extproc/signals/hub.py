@@ -1,0 +1,326 @@
+"""The signal hub: polls every source on its interval and keeps the latest reading of every signal.
+
+How this works: one asyncio task per source, all sharing one HTTP session. A round of a
+prometheus source runs its signals' queries concurrently; a round of a scrape source
+fetches each target once and reads every signal of that source from the same pages.
+Each signal's reading is replaced by a good one or keeps its last good value with the
+error beside it, so staleness is judged by age alone. After every round ``on_change`` is
+called with all readings and the time, which is where the caller updates
+:class:`~extproc.core.saturation.Saturation`.
+
+Nothing raises out of a task: a source that is down, slow or answering nonsense is an
+error kind in a counter and a log line on the transition (not one per poll), never a
+crash. Rounds start on a fixed cadence; a round that takes longer delays the next one
+instead of overlapping it.
+
+Gauges are computed when scraped, from the readings and the clock, so an age keeps growing
+while a source is down and a removed signal disappears at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+
+import aiohttp
+import structlog
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from extproc.core.saturation import Reading, Saturation, is_stale
+from extproc.policy.signals import Signal, Signals, Source
+from extproc.signals import ErrorKind, SignalError, prometheus, scrape
+
+log = structlog.get_logger("extproc.signals")
+
+#: Called after every poll round with every signal's reading and the clock's time.
+OnChange = Callable[[Mapping[str, Reading], float], None]
+
+
+@dataclass(frozen=True, slots=True)
+class SignalStatus:
+    """One signal as reported by gauges and the admin API."""
+
+    name: str
+    source: str
+    kind: str
+    value: float | None
+    updated_at: float | None
+    age: float | None
+    stale: bool
+    error: str | None
+
+
+class SignalHub:
+    def __init__(self, signals: Signals, registry: CollectorRegistry,
+                 clock: Callable[[], float] = time.monotonic, on_change: OnChange | None = None) -> None:
+        self._signals = signals
+        self._clock = clock
+        self.on_change = on_change
+        self._readings: dict[str, Reading] = {}
+        self._watched_since: dict[str, float] = {}
+        self._failing: dict[str, ErrorKind] = {}
+        self._target_up: dict[tuple[str, str], bool] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._retired: set[asyncio.Task[None]] = set()
+        self._session: aiohttp.ClientSession | None = None
+        self._errors = Counter("extproc_signal_errors", "Failed readings of a signal, by kind of failure.",
+                               ["signal", "kind"], registry=registry)
+        registry.register(_SignalCollector(self))
+
+    @property
+    def signals(self) -> Signals:
+        return self._signals
+
+    def start(self) -> None:
+        """Start polling (call from within the running event loop)."""
+        if self._session is not None:
+            raise RuntimeError("the signal hub is already started")
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=64, limit_per_host=8),
+            headers={"User-Agent": "extproc-signals"},
+        )
+        now = self._clock()
+        for name in self._signals.read:
+            self._watched_since.setdefault(name, now)
+        for name, source in self._signals.sources.items():
+            self._start_source(name, source)
+
+    async def stop(self) -> None:
+        tasks = [*self._tasks.values(), *self._retired]
+        self._tasks.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def reconfigure(self, signals: Signals) -> None:
+        """Adopt a new policy: restart sources whose settings changed, forget changed signals."""
+        old = self._signals
+        self._signals = signals
+        for name in list(self._tasks):
+            if signals.sources.get(name) != old.sources.get(name):
+                self._retire(name)
+        for key in [key for key in self._target_up if signals.sources.get(key[0]) != old.sources.get(key[0])]:
+            del self._target_up[key]
+        now = self._clock()
+        for name in set(old.read) | set(signals.read):
+            if signals.read.get(name) == old.read.get(name):
+                continue
+            # A changed definition is another signal under the same name: start over.
+            self._readings.pop(name, None)
+            self._failing.pop(name, None)
+            self._watched_since.pop(name, None)
+            for kind in ErrorKind:
+                with contextlib.suppress(KeyError):
+                    self._errors.remove(name, kind.value)
+            if name in signals.read and self._session is not None:
+                self._watched_since[name] = now
+        if self._session is not None:
+            for name, source in signals.sources.items():
+                if name not in self._tasks:
+                    self._start_source(name, source)
+
+    def readings(self) -> dict[str, Reading]:
+        return dict(self._readings)
+
+    def status(self, now: float | None = None) -> list[SignalStatus]:
+        now = self._clock() if now is None else now
+        out = []
+        for name, signal in self._signals.read.items():
+            reading = self._readings.get(name)
+            good = reading is not None and reading.good
+            updated_at = reading.updated_at if reading is not None and good else None
+            out.append(SignalStatus(
+                name=name, source=signal.source, kind=signal.exported_kind,
+                value=reading.value if reading is not None and good else None,
+                updated_at=updated_at,
+                age=now - updated_at if updated_at is not None else None,
+                stale=is_stale(reading, signal.stale_after, now, self._watched_since.get(name, now)),
+                error=reading.error if reading is not None else None,
+            ))
+        return out
+
+    def targets(self) -> dict[tuple[str, str], bool]:
+        """(scrape source, target URL) → whether the last fetch of it succeeded."""
+        return dict(self._target_up)
+
+    # -- polling --------------------------------------------------------------------------------
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("the signal hub is not started")
+        return self._session
+
+    def _start_source(self, name: str, source: Source) -> None:
+        self._tasks[name] = asyncio.get_running_loop().create_task(self._run(name, source),
+                                                                   name=f"signals:{name}")
+
+    def _retire(self, name: str) -> None:
+        task = self._tasks.pop(name)
+        task.cancel()
+        self._retired.add(task)
+        task.add_done_callback(self._retired.discard)
+
+    async def _run(self, name: str, source: Source) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            try:
+                if source.prometheus is not None:
+                    await self._poll_prometheus(name, source)
+                else:
+                    await self._poll_scrape(name, source)
+            except Exception:  # a bug here must not end polling for good
+                log.exception("signal poll failed", source=name)
+            self._notify()
+            await asyncio.sleep(max(0.0, source.interval - (loop.time() - started)))
+
+    async def _poll_prometheus(self, name: str, source: Source) -> None:
+        config = source.prometheus
+        assert config is not None
+        session = self._http()
+
+        async def one(signal_name: str, signal: Signal) -> None:
+            assert signal.query is not None
+            try:
+                value = await prometheus.query(session, config.url, signal.query, config.timeout)
+            except SignalError as exc:
+                self._failed(signal_name, signal, exc)
+            else:
+                self._succeeded(signal_name, signal, value)
+
+        await asyncio.gather(*(one(n, s) for n, s in self._signals.signals_of(name).items() if s.query))
+
+    async def _poll_scrape(self, name: str, source: Source) -> None:
+        config = source.scrape
+        assert config is not None
+        signals = {n: s for n, s in self._signals.signals_of(name).items() if s.metric or s.preset}
+        if not signals:
+            return
+        names = scrape.names_of(list(signals.values()))
+        session = self._http()
+
+        async def page(url: str) -> scrape.Page | SignalError:
+            try:
+                return await scrape.scrape(session, url, config.timeout, names)
+            except SignalError as exc:
+                return exc
+
+        results = await asyncio.gather(*(page(url) for url in config.targets))
+        pages: list[scrape.Page] = []
+        errors: list[SignalError] = []
+        for url, result in zip(config.targets, results, strict=True):
+            up = not isinstance(result, SignalError)
+            if self._target_up.get((name, url), True) != up:
+                if up:
+                    log.info("scrape target is back", source=name, target=url)
+                else:
+                    log.warning("scrape target failed", source=name, target=url, error=str(result))
+            self._target_up[(name, url)] = up
+            if isinstance(result, SignalError):
+                errors.append(result)
+            else:
+                pages.append(result)
+        for signal_name, signal in signals.items():
+            if not pages:
+                first = errors[0]
+                error = first if len(errors) == 1 else SignalError(
+                    first.kind, f"all {len(errors)} targets failed; the first: {first.message}")
+                self._failed(signal_name, signal, error)
+                continue
+            try:
+                value = scrape.read(signal, pages)
+            except SignalError as exc:
+                self._failed(signal_name, signal, exc)
+            else:
+                self._succeeded(signal_name, signal, value)
+
+    def _current(self, name: str, signal: Signal) -> bool:
+        # A reconfigure during a round may have changed what this name means; drop the stale answer.
+        return self._signals.read.get(name) == signal
+
+    def _succeeded(self, name: str, signal: Signal, value: float) -> None:
+        if not self._current(name, signal):
+            return
+        self._readings[name] = Reading(value, self._clock())
+        if self._failing.pop(name, None) is not None:
+            log.info("signal recovered", signal=name, value=value)
+
+    def _failed(self, name: str, signal: Signal, error: SignalError) -> None:
+        if not self._current(name, signal):
+            return
+        previous = self._readings.get(name)
+        self._readings[name] = Reading(previous.value if previous else None,
+                                       previous.updated_at if previous else None, str(error))
+        self._errors.labels(name, error.kind.value).inc()
+        if self._failing.get(name) != error.kind:
+            log.warning("signal read failed", signal=name, source=signal.source, kind=error.kind.value,
+                        error=error.message)
+        self._failing[name] = error.kind
+
+    def _notify(self) -> None:
+        if self.on_change is None:
+            return
+        try:
+            self.on_change(self.readings(), self._clock())
+        except Exception:  # the caller's bug must not stop the polling
+            log.exception("signal on_change callback failed")
+
+
+class _SignalCollector(Collector):
+    def __init__(self, hub: SignalHub) -> None:
+        self._hub = hub
+
+    def collect(self) -> Iterator[Metric]:
+        value = GaugeMetricFamily("extproc_signal_value", "Last good value of each signal extproc reads.",
+                                  labels=["signal"])
+        age = GaugeMetricFamily("extproc_signal_age_seconds", "Seconds since the last good reading of "
+                                "each signal.", labels=["signal"])
+        stale = GaugeMetricFamily("extproc_signal_stale", "1 while a signal had no good reading within its "
+                                  "stale_after (its on_stale policy applies).", labels=["signal"])
+        kv_cache = GaugeMetricFamily("inference_kv_cache_utilization", "Model servers' KV-cache "
+                                     "utilization (0-1) as extproc reads it; absent while stale.",
+                                     labels=["signal"])
+        for status in self._hub.status():
+            stale.add_metric([status.name], 1.0 if status.stale else 0.0)
+            if status.value is None or status.age is None:
+                continue
+            value.add_metric([status.name], status.value)
+            age.add_metric([status.name], status.age)
+            if status.kind == "kv_cache_utilization" and not status.stale:
+                kv_cache.add_metric([status.name], status.value)
+        up = GaugeMetricFamily("extproc_scrape_target_up", "1 if the last fetch of a scrape target "
+                               "succeeded.", labels=["source", "target"])
+        for (source, target), ok in sorted(self._hub.targets().items()):
+            up.add_metric([source, target], 1.0 if ok else 0.0)
+        yield from (value, age, stale, kv_cache, up)
+
+
+class SaturationCollector(Collector):
+    """Saturation rules and their effect on lanes, as gauges (register it once, beside the hub)."""
+
+    def __init__(self, saturation: Saturation, clock: Callable[[], float] = time.monotonic) -> None:
+        self._saturation = saturation
+        self._clock = clock
+
+    def collect(self) -> Iterator[Metric]:
+        active = GaugeMetricFamily("extproc_saturation_active", "1 while a saturation rule is active.",
+                                   labels=["rule", "signal"])
+        for rule in self._saturation.rules(self._clock()):
+            active.add_metric([rule.name, rule.signal], 1.0 if rule.active else 0.0)
+        shed = GaugeMetricFamily("extproc_saturation_shed", "1 while saturation sheds the lane (its new "
+                                 "requests are rejected).", labels=["lane"])
+        factor = GaugeMetricFamily("extproc_saturation_limit_factor", "Factor saturation applies to the "
+                                   "lane's in-flight limit (1: none).", labels=["lane"])
+        for lane in self._saturation.lanes():
+            effect = self._saturation.effect(lane)
+            shed.add_metric([lane], 1.0 if effect.shed else 0.0)
+            factor.add_metric([lane], effect.factor)
+        yield from (active, shed, factor)
