@@ -178,6 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
     sim_simulate.add_arguments(simulate)
     simulate.set_defaults(func=sim_simulate.command)
 
+    top = commands.add_parser("top", help="live terminal view of a running extproc: lanes, queues, signals")
+    from extproc import top as live_top
+
+    live_top.add_arguments(top)
+    top.set_defaults(func=live_top.command)
+
     sim = commands.add_parser("sim", help="simulated GPU backend and load generation (no GPU needed)")
     sim_commands = sim.add_subparsers(dest="sim_command", metavar="ACTION", required=True)
     backend = sim_commands.add_parser(
