@@ -60,9 +60,12 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
     controller.on_reconfigure.append(lambda new: hub.reconfigure(new.signals))
 
     def reloaded(result: ReloadResult) -> None:
-        metrics.policy_reloads.labels("ok" if result.ok else "error").inc()
         metrics.policy_reload_failing.set(0 if result.ok else 1)
-        if result.ok:
+        if not result.ok:
+            metrics.policy_reloads.labels("error").inc()
+        elif result.changed:
+            # (A bad edit reverted to the policy in force is ok but changes nothing.)
+            metrics.policy_reloads.labels("ok").inc()
             metrics.policy_loaded.set_to_current_time()
 
     policy_file = PolicyFile(settings.policy, policy, controller.reconfigure, on_result=reloaded)

@@ -5,12 +5,16 @@ Every check uses the real tool: ``kubectl kustomize`` builds each kustomization,
 (strictly: unknown fields are errors), a real Envoy validates every EnvoyFilter patch,
 ``extproc policy check`` the policy in each ConfigMap, ``promtool`` the alert rules (and
 unit-tests them on synthetic series), a real ``redis-server`` the Redis arguments, and a
-real extproc's ``/metrics`` every metric name used by alerts, KEDA and the dashboard.
+real extproc's ``/metrics`` every metric name used by alerts, KEDA and the dashboard. A real
+extproc started with the Deployment's flags follows its policy ConfigMap through updates
+made the way the kubelet makes them (hot reload, no rollout).
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
+import ipaddress
 import json
 import os
 import re
@@ -19,7 +23,8 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
+from collections.abc import Callable
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import httpx
@@ -30,6 +35,7 @@ import yaml
 from extproc.localstack import ROOT, Stack, envoy_binary, free_port, wait_http
 from extproc.policy import load_policy
 from extproc.policy.schema import Policy
+from extproc.settings import Address
 
 ISTIO = ROOT / "istio"
 #: Every kustomization shipped, by name. A new one must be added here (a test checks).
@@ -83,7 +89,9 @@ def kustomize(directory: Path) -> list[Doc]:
 def composition(tmp: Path, overlay: str, components: list[str]) -> Path:
     """A kustomization of a shipped overlay plus components (kustomize wants relative paths)."""
     tmp.mkdir(parents=True, exist_ok=True)
-    rel = lambda p: os.path.relpath(p, tmp)  # noqa: E731
+    def rel(path: Path) -> str:
+        return os.path.relpath(path, tmp)
+
     (tmp / "kustomization.yaml").write_text(yaml.safe_dump({
         "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
         "resources": [rel(SHIPPED[overlay])],
@@ -212,24 +220,158 @@ def test_deployment_is_hardened_and_drains_within_its_grace(rendered: Rendered) 
     assert args["policy"] == f"{mount['mountPath']}/policy.yaml"
 
 
-def test_a_policy_edit_rolls_the_deployment(tmp_path: Path) -> None:
-    """The ConfigMap's name carries its content hash, so a changed policy changes the pod template."""
-    copy_dir = tmp_path / "base"
-    shutil.copytree(ISTIO / "base", copy_dir)
-    policy = copy_dir / "policy.yaml"
-    policy.write_text(policy.read_text().replace("max_queued: 300", "max_queued: 301"))
+#: The kustomizations that own a policy file: that file, and an edit to make in it.
+POLICY_FILES = {
+    "base": (ISTIO / "base" / "policy.yaml", "max_queued: 300 ", "max_queued: 301 "),
+    "seed-scenario": (ISTIO / "examples" / "seed-scenario" / "policy.yaml",
+                      "max_queued: 700", "max_queued: 701"),
+}
 
-    def names(docs: list[Doc]) -> tuple[str, str]:
-        configmap = one([d for d in docs if d["metadata"]["name"].startswith("extproc-policy")], "ConfigMap")
-        volumes = one(docs, "Deployment", "extproc")["spec"]["template"]["spec"]["volumes"]
-        volume = next(v for v in volumes if v["name"] == "policy")
-        return configmap["metadata"]["name"], volume["configMap"]["name"]
 
-    before, after = names(kustomize(ISTIO / "base")), names(kustomize(copy_dir))
-    assert before[0] == before[1]
-    assert after[0] == after[1]
-    assert before[0] != after[0]
-    assert re.fullmatch(r"extproc-policy-[a-z0-9]{10}", before[0])
+def policy_wiring(docs: list[Doc]) -> tuple[Doc, Doc, Doc, dict[str, str]]:
+    """The policy ConfigMap, the extproc Deployment, its policy volume mount, and its flags."""
+    configmap = one([d for d in docs if d["metadata"]["name"].startswith("extproc-policy")], "ConfigMap")
+    deployment = one(docs, "Deployment", "extproc")
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    [mount] = [m for m in container["volumeMounts"] if m["name"] == "policy"]
+    args = dict(a.removeprefix("--").split("=", 1) for a in container["args"] if a.startswith("--"))
+    return configmap, deployment, mount, args
+
+
+@pytest.mark.parametrize("name", sorted(POLICY_FILES))
+def test_a_policy_edit_updates_the_configmap_in_place(tmp_path: Path, name: str) -> None:
+    """Hot reload, not a rollout: same ConfigMap name, same pod template, new content."""
+    shipped, old, new = POLICY_FILES[name]
+    shutil.copytree(ISTIO, tmp_path / "istio")
+    edited = tmp_path / "istio" / shipped.relative_to(ISTIO)
+    assert edited.read_text().count(old) == 1
+    edited.write_text(edited.read_text().replace(old, new))
+    before = policy_wiring(kustomize(SHIPPED[name]))
+    after = policy_wiring(kustomize(tmp_path / "istio" / SHIPPED[name].relative_to(ISTIO)))
+    assert before[0]["metadata"]["name"] == after[0]["metadata"]["name"] == "extproc-policy"
+    assert before[0]["data"] != after[0]["data"]
+    assert after[0]["data"]["policy.yaml"] == edited.read_text()
+    # Nothing in the Deployment changes, so nothing rolls: the replicas reload the file.
+    assert before[1] == after[1]
+    volumes = after[1]["spec"]["template"]["spec"]["volumes"]
+    assert next(v for v in volumes if v["name"] == "policy")["configMap"]["name"] == "extproc-policy"
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_the_policy_is_a_directory_mount_that_sees_configmap_updates(rendered: Rendered, name: str) -> None:
+    configmap, deployment, mount, args = policy_wiring(rendered[name])
+    volumes = deployment["spec"]["template"]["spec"]["volumes"]
+    volume = next(v for v in volumes if v["name"] == "policy")["configMap"]
+    assert volume["name"] == configmap["metadata"]["name"] == "extproc-policy"
+    # A subPath mount is a bind mount of the file as it was: the kubelet's updates never reach it.
+    assert "subPath" not in mount
+    assert "subPathExpr" not in mount
+    assert "items" not in volume  # every key is a file of its own name
+    policy = PurePosixPath(args["policy"])
+    assert policy.parent == PurePosixPath(mount["mountPath"])
+    assert policy.name in configmap["data"]
+    assert float(args.get("watch-interval", "1")) > 0, "0 turns the file watch off"
+
+
+def kubelet_projection(directory: Path, files: dict[str, str]) -> None:
+    """Write ``files`` into ``directory`` the way the kubelet writes and updates a ConfigMap volume.
+
+    The content lives in a timestamped directory; ``..data`` is a symlink to it and each
+    key a symlink through ``..data``. An update writes a new timestamped directory and
+    renames a new ``..data`` symlink over the old one: one atomic swap for all keys.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    data = directory / "..data"
+    old = data.resolve() if data.is_symlink() else None
+    stamp = directory / f"..{time.strftime('%Y_%m_%d_%H_%M_%S')}.{time.monotonic_ns()}"
+    stamp.mkdir()
+    for key, text in files.items():
+        (stamp / key).write_bytes(text.encode())
+    staged = directory / "..data_tmp"
+    staged.symlink_to(stamp.name)
+    os.replace(staged, data)
+    for key in files:
+        if not (directory / key).is_symlink():
+            (directory / key).symlink_to(f"..data/{key}")
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def sample(text: str, name: str, **labels: str) -> float | None:
+    """One sample's value in a /metrics page (None if it is not there)."""
+    want = {f'{k}="{v}"' for k, v in labels.items()}
+    for line in text.splitlines():
+        match = re.fullmatch(r"([a-zA-Z_:][\w:]*)(?:\{(.*)\})? (\S+)", line)
+        if match and match.group(1) == name and set(filter(None, (match.group(2) or "").split(","))) == want:
+            return float(match.group(3))
+    return None
+
+
+def test_a_configmap_update_reaches_the_running_extproc(rendered: Rendered, tmp_path: Path) -> None:
+    """extproc started with the Deployment's flags and env, its policy volume laid out and
+    updated as the kubelet does it: a good edit is swapped in, a bad one rejected and signalled."""
+    configmap, deployment, mount, args = policy_wiring(rendered["base"])
+    shipped = configmap["data"]["policy.yaml"]
+    # What the guide tells operators to compare against: sha256sum of the file they applied.
+    assert shipped.encode() == POLICY_FILES["base"][0].read_bytes()
+    root = tmp_path / "pod"
+    mounted = root / mount["mountPath"].lstrip("/")
+    kubelet_projection(mounted, configmap["data"])
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    grpc, http, admin = free_port(), free_port(), free_port()
+    # The pod's addresses and paths, moved onto this machine's loopback and a temporary root.
+    moved = {"grpc": f"127.0.0.1:{grpc}", "http": f"127.0.0.1:{http}", "admin": f"127.0.0.1:{admin}",
+             "policy": str(root / args["policy"].lstrip("/"))}
+    assert container["args"][0] == "serve"
+    assert moved.keys() <= args.keys(), "the Deployment sets every address and the policy path"
+    argv = ["serve", *(f"--{key}={moved.get(key, value)}" for key, value in args.items())]
+    stack = Stack(tmp_path)
+    try:
+        stack.start("extproc", [sys.executable, "-m", "extproc", *argv],
+                    env={e["name"]: e["value"] for e in container.get("env", [])})
+        wait_http(f"http://127.0.0.1:{http}/readyz", proc=stack.processes[0].popen)
+        metrics, state_url = f"http://127.0.0.1:{http}/metrics", f"http://127.0.0.1:{admin}/admin/state"
+
+        def until(check: Callable[[], bool], what: str) -> None:
+            deadline = time.monotonic() + 15  # the shipped watch interval (1 s) and then some
+            while not check():
+                assert time.monotonic() < deadline, f"timed out waiting for {what}"
+                time.sleep(0.1)
+
+        def policy_state() -> dict[str, Any]:
+            doc: dict[str, Any] = httpx.get(state_url, timeout=5).json()["policy"]
+            return doc
+
+        assert policy_state()["sha256"] == hashlib.sha256(shipped.encode()).hexdigest()
+        loaded = sample(httpx.get(metrics).text, "extproc_policy_loaded_timestamp_seconds")
+        assert loaded
+
+        _, old, new = POLICY_FILES["base"]
+        edited = shipped.replace(old, new)
+        kubelet_projection(mounted, {"policy.yaml": edited})
+        until(lambda: policy_state()["sha256"] == hashlib.sha256(edited.encode()).hexdigest(), "the edit")
+        page = httpx.get(metrics).text
+        assert sample(page, "extproc_policy_reloads_total", result="ok") == 1
+        assert (sample(page, "extproc_policy_loaded_timestamp_seconds") or 0) > loaded
+        assert sample(page, "extproc_policy_reload_failing") == 0
+
+        broken = edited.replace("max_inflight: 28 ", "max_inflight: lots ")
+        line = next(n for n, text in enumerate(broken.splitlines(), 1) if "max_inflight: lots" in text)
+        kubelet_projection(mounted, {"policy.yaml": broken})
+        until(lambda: sample(httpx.get(metrics).text, "extproc_policy_reload_failing") == 1, "the rejection")
+        page = httpx.get(metrics).text
+        assert sample(page, "extproc_policy_reloads_total", result="error") == 1
+        state = policy_state()
+        assert state["sha256"] == hashlib.sha256(edited.encode()).hexdigest(), "the edit stays in force"
+        [problem] = state["last_error"]
+        assert problem.startswith(f"{moved['policy']}:{line}: capacity.max_inflight"), problem
+        assert httpx.get(f"http://127.0.0.1:{http}/readyz").status_code == 200
+
+        kubelet_projection(mounted, {"policy.yaml": edited})  # the revert
+        until(lambda: sample(httpx.get(metrics).text, "extproc_policy_reload_failing") == 0, "the revert")
+        assert "policy reload rejected" in stack.processes[0].output()
+    finally:
+        stack.stop()
 
 
 def test_service_declares_grpc_for_istio(rendered: Rendered) -> None:
@@ -290,6 +432,33 @@ def test_network_policies_admit_the_proxies_and_the_scrapers(rendered: Rendered)
         ports = {port["port"] for p in extproc_policies
                  for rule in p["spec"]["ingress"] for port in rule["ports"]}
         assert ports == named_ports == {"grpc", "http-metrics"}
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_the_admin_port_stays_on_loopback(rendered: Rendered, name: str) -> None:
+    """Drain and pause are reached with kubectl port-forward, never through a Service or a policy."""
+    docs = rendered[name]
+    _, deployment, _, args = policy_wiring(docs)
+    admin = Address.parse(args["admin"])
+    assert ipaddress.ip_address(admin.host).is_loopback
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    assert not {"EXTPROC_ADMIN", "EXTPROC_ADMIN_TOKEN"} & {e["name"] for e in container.get("env", [])}
+    declared = container["ports"]
+    assert admin.port not in {p["containerPort"] for p in declared}
+    assert not [p for p in declared if "admin" in p["name"]]
+    names = {p["name"] for p in declared}  # what a Service or NetworkPolicy may name
+    for service in of_kind(docs, "Service"):
+        for port in service["spec"]["ports"]:
+            assert admin.port not in (port["port"], port.get("targetPort")), service["metadata"]["name"]
+            assert "admin" not in port["name"]
+    labels = deployment["spec"]["template"]["metadata"]["labels"].items()
+    for policy in of_kind(docs, "NetworkPolicy"):
+        if not policy["spec"]["podSelector"].get("matchLabels", {}).items() <= labels:
+            continue  # another workload's (Redis)
+        for rule in policy["spec"].get("ingress", []):
+            for port in rule.get("ports", []):
+                # Only declared ports by name; the admin port is declared nowhere (above).
+                assert port["port"] in names, f"{policy['metadata']['name']} opens {port['port']}"
 
 
 # --- EnvoyFilters -----------------------------------------------------------------------------
@@ -518,7 +687,7 @@ def test_alert_rules_pass_promtool(rendered: Rendered, tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     alerts = {r["alert"] for g in rule_groups(rendered["base"]) for r in g["rules"] if "alert" in r}
     assert {"InferenceQueueWaitP95High", "InferenceRejectionsRising", "InferenceKVCacheSaturated",
-            "InferencePendingRequestsGrowing"} <= alerts
+            "InferencePendingRequestsGrowing", "ExtprocPolicyReloadFailing"} <= alerts
 
 
 #: Synthetic series (one sample a minute) and the alerts they must raise, no more, no fewer.
@@ -556,6 +725,21 @@ ALERT_CASES: dict[str, tuple[dict[str, str], str, list[dict[str, str]]]] = {
                                  "10m", [{"severity": "critical"}]),
     "ExtprocSlotsReclaimed": ({"extproc_slots_reclaimed_total": "0x5 2x20"},
                               "10m", [{"severity": "warning"}]),
+    "ExtprocPolicyReloadFailing": ({
+        # Pod a has had a bad file for 10 minutes; pod b for 3 (still pending: `for: 5m`);
+        # pod c had one for 3 minutes, then a fixed file.
+        'extproc_policy_reload_failing{namespace="extproc",pod="a",instance="10.0.0.1:9090"}': "0x5 1x20",
+        'extproc_policy_reload_failing{namespace="extproc",pod="b",instance="10.0.0.2:9090"}': "0x12 1x20",
+        'extproc_policy_reload_failing{namespace="extproc",pod="c",instance="10.0.0.3:9090"}': "0x5 1x3 0x20",
+    }, "15m", [{"namespace": "extproc", "pod": "a", "severity": "warning"}]),
+    "ExtprocShadowWouldReject": ({
+        # batch: enforcing would reject 20 of 100 admitted; interactive: 1 of 100 (under 5 %).
+        'inference_admission_decisions_total{lane="batch",outcome="admitted"}': "0+100x40",
+        'extproc_shadow_decisions_total{lane="batch",outcome="rejected",reason="queue_full"}': "0+20x40",
+        'extproc_shadow_decisions_total{lane="batch",outcome="queued",reason=""}': "0+50x40",
+        'inference_admission_decisions_total{lane="interactive",outcome="admitted"}': "0+100x40",
+        'extproc_shadow_decisions_total{lane="interactive",outcome="rejected",reason="queue_full"}': "0+1x40",
+    }, "30m", [{"lane": "batch", "severity": "info"}]),
 }
 
 
@@ -588,6 +772,7 @@ def test_alerts_fire_on_the_situations_they_describe(rendered: Rendered,
             {"series": 'inference_admission_rejections_total{lane="interactive",reason="queue_full"}',
              "values": "0+1x40"},
             {"series": 'vllm:kv_cache_usage_perc{model_name="llama"}', "values": "0.7x40"},
+            {"series": 'extproc_policy_reload_failing{pod="a"}', "values": "0x40"},
         ],
         "alert_rule_test": [{"eval_time": "35m", "alertname": alert, "exp_alerts": []}
                             for alert in sorted(alerts)],
@@ -597,6 +782,25 @@ def test_alerts_fire_on_the_situations_they_describe(rendered: Rendered,
                                     "tests": tests}))
     result = run([tool("promtool"), "test", "rules", str(spec)], cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def github_anchor(heading: str) -> str:
+    """The fragment GitHub gives a Markdown heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_every_alert_has_a_runbook_section_in_the_operator_guide(rendered: Rendered) -> None:
+    guide = ROOT / "docs" / "operator-guide.md"
+    anchors = {github_anchor(h) for h in re.findall(r"^#+ (.+)$", guide.read_text(), flags=re.M)}
+    assert github_anchor("ExtprocDown (critical)") == "extprocdown-critical"
+    for group in rule_groups(rendered["base"]):
+        for rule in group["rules"]:
+            if "alert" in rule:
+                page, _, anchor = rule["annotations"]["runbook"].partition("#")
+                assert ROOT / page == guide, rule["alert"]
+                assert anchor == rule["alert"].lower(), rule["alert"]
+                assert anchor in anchors, f"{rule['alert']}: no section '### {rule['alert']}' in {guide.name}"
 
 
 @pytest.mark.parametrize("name", WIRED)
@@ -639,7 +843,12 @@ def test_metric_name_lexer() -> None:
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
-    """Every sample name a real extproc (and the simulated vLLM backend) can export."""
+    """Every sample name a real extproc (and the simulated vLLM backend) can export.
+
+    Names come from the ``# TYPE`` lines, not from samples: a labelled counter has no sample
+    until its first increment (extproc_shadow_decisions_total needs a shadow lane under
+    overload), but its family is announced on every scrape from the start.
+    """
     stack = Stack(tmp_path_factory.mktemp("k8s-metrics"))
     try:
         backend = free_port()
@@ -654,7 +863,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
         stack.stop()
     suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"],
                 "summary": ["_sum", "_count"]}
-    names = set()
+    names: set[str] = set()
     for family, kind in re.findall(r"^# TYPE (\S+) (\S+)$", text, flags=re.M):
         # The text format names a counter's family with or without _total (client versions differ).
         family = family.removesuffix("_total") if kind == "counter" else family
@@ -665,7 +874,8 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
 def test_every_metric_used_by_alerts_keda_and_dashboards_is_exported(
         rendered: Rendered, exported: set[str], tmp_path: Path) -> None:
     assert {"inference_queue_wait_seconds_bucket", "inference_pending_requests",
-            "inference_admission_rejections_total", "vllm:kv_cache_usage_perc"} <= exported
+            "inference_admission_rejections_total", "vllm:kv_cache_usage_perc",
+            "extproc_policy_reload_failing", "extproc_shadow_decisions_total"} <= exported
     groups = rule_groups(rendered["base"])
     recorded = {r["record"] for g in groups for r in g["rules"] if "record" in r}
     queries = {f"rule {r.get('alert') or r.get('record')}": r["expr"] for g in groups for r in g["rules"]}
