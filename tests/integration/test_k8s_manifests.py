@@ -8,6 +8,12 @@ unit-tests them on synthetic series), a real ``redis-server`` the Redis argument
 real extproc's ``/metrics`` every metric name used by alerts, KEDA and the dashboard. A real
 extproc started with the Deployment's flags follows its policy ConfigMap through updates
 made the way the kubelet makes them (hot reload, no rollout).
+
+The seed scenario's cluster signals are checked the same way: every PromQL query parses
+(``promtool``) and answers the one number it should on synthetic series (``promtool test
+rules``), selects only metrics and labels that exist (extproc's, the simulated vLLM's, and
+Kueue's as its source defines them) and ClusterQueues of kueue.yaml, and every signal
+source the policy names is reachable through the NetworkPolicies that select extproc.
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -49,6 +57,7 @@ SHIPPED = {
 WITH_COMPONENTS = {
     "gateway+redis": ("gateway", ["redis"]),
     "sidecar+sidecar-scope": ("sidecar", ["sidecar-scope"]),
+    "seed-scenario+signals-egress": ("seed-scenario", ["signals-egress"]),
 }
 ALL = [*SHIPPED, *WITH_COMPONENTS]
 #: Compositions that wire extproc into the mesh (EnvoyFilters, a policy ConfigMap of their own).
@@ -427,11 +436,223 @@ def test_network_policies_admit_the_proxies_and_the_scrapers(rendered: Rendered)
         named_ports = {p["name"] for c in pod["spec"]["containers"] for p in c["ports"]}
         labels = pod["metadata"]["labels"].items()
         extproc_policies = [p for p in of_kind(docs, "NetworkPolicy")
-                            if p["spec"]["podSelector"]["matchLabels"].items() <= labels]
+                            if p["spec"]["podSelector"]["matchLabels"].items() <= labels
+                            and "Ingress" in policy_types(p)]
         assert extproc_policies, f"{name}: no NetworkPolicy for extproc"
         ports = {port["port"] for p in extproc_policies
                  for rule in p["spec"]["ingress"] for port in rule["ports"]}
         assert ports == named_ports == {"grpc", "http-metrics"}
+
+
+# --- egress: what extproc may connect to ------------------------------------------------------
+#
+# NetworkPolicies add up: a pod selected by no policy with an Egress type may connect
+# anywhere; once one selects it, only what some rule of some such policy allows gets out.
+# These helpers read the rules the way Kubernetes does, but prove only what the manifests
+# show: a destination pod's labels and port names are unknown here, so a rule that needs
+# them (a non-empty podSelector, a named port) proves nothing.
+
+
+@dataclass(frozen=True)
+class Destination:
+    """A connection as a NetworkPolicy sees it: the destination pod's namespace (None when
+    unknown or outside the cluster), its IP when the URL gives one, the pod's port."""
+
+    what: str
+    namespace: str | None
+    ip: str | None
+    port: int
+    protocol: str = "TCP"
+
+
+#: Where a pod's DNS queries go: kube-dns pods in kube-system, or NodeLocal DNSCache's
+#: link-local address on the node. Both must be allowed, or names stop resolving on some clusters.
+DNS = [Destination("DNS (kube-dns)", "kube-system", None, 53, "UDP"),
+       Destination("DNS (NodeLocal DNSCache)", None, "169.254.20.10", 53, "UDP")]
+
+
+def destination_of(url: str, own_namespace: str) -> Destination:
+    """Where a URL leads: a Service name ``svc[.ns[.svc[.domain]]]`` leads to pods of that
+    namespace. The Service port is taken to be the pods' port (true of Prometheus's own
+    Service; not in general, so a Service that maps ports needs a rule for its targetPort)."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or ""
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        return Destination(url, None, str(ipaddress.ip_address(host)), port)
+    except ValueError:
+        pass
+    labels = host.split(".")
+    if len(labels) == 1:
+        return Destination(url, own_namespace, None, port)
+    if len(labels) == 2 or labels[2] == "svc":
+        return Destination(url, labels[1], None, port)
+    return Destination(url, None, None, port)  # outside the cluster
+
+
+def selects(selector: Doc | None, labels: dict[str, str]) -> bool:
+    """A Kubernetes label selector (an empty one selects everything)."""
+    selector = selector or {}
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for expression in selector.get("matchExpressions", []):
+        key, operator, values = expression["key"], expression["operator"], expression.get("values", [])
+        present = key in labels
+        if not {"In": present and labels.get(key) in values,
+                "NotIn": not present or labels.get(key) not in values,
+                "Exists": present, "DoesNotExist": not present}[operator]:
+            return False
+    return True
+
+
+def policy_types(policy: Doc) -> list[str]:
+    spec = policy["spec"]
+    types: list[str] = spec.get("policyTypes") or ["Ingress", *(["Egress"] if "egress" in spec else [])]
+    return types
+
+
+def _port_allows(port: Doc, to: Destination) -> bool:
+    if port.get("protocol", "TCP") != to.protocol:
+        return False
+    number = port.get("port")
+    if number is None:
+        return True  # every port of the protocol
+    if isinstance(number, str):
+        return False  # a named port of a pod we know nothing about
+    end: int = port.get("endPort") or number
+    return bool(number <= to.port <= end)
+
+
+def _peer_allows(peer: Doc, policy_namespace: str, to: Destination) -> bool:
+    if "ipBlock" in peer:
+        if to.ip is None:
+            return False
+        ip = ipaddress.ip_address(to.ip)
+        block = peer["ipBlock"]
+        return ip in ipaddress.ip_network(block["cidr"]) and not any(
+            ip in ipaddress.ip_network(cidr) for cidr in block.get("except", []))
+    if to.namespace is None:
+        return False
+    if "namespaceSelector" in peer:
+        namespace_ok = selects(peer["namespaceSelector"], {"kubernetes.io/metadata.name": to.namespace})
+    else:
+        namespace_ok = to.namespace == policy_namespace
+    return namespace_ok and selects(peer.get("podSelector"), {})
+
+
+def egress_policies(docs: list[Doc]) -> list[Doc]:
+    """The NetworkPolicies that restrict the extproc pods' egress."""
+    pod = one(docs, "Deployment", "extproc")
+    namespace, labels = pod["metadata"]["namespace"], pod["spec"]["template"]["metadata"]["labels"]
+    return [p for p in of_kind(docs, "NetworkPolicy")
+            if p["metadata"].get("namespace") == namespace and selects(p["spec"]["podSelector"], labels)
+            and "Egress" in policy_types(p)]
+
+
+def egress_allows(docs: list[Doc], to: Destination) -> bool:
+    policies = egress_policies(docs)
+    if not policies:
+        return True
+    return any(
+        (not rule.get("ports") or any(_port_allows(port, to) for port in rule["ports"]))
+        and (not rule.get("to") or any(_peer_allows(peer, policy["metadata"]["namespace"], to)
+                                       for peer in rule["to"]))
+        for policy in policies for rule in policy["spec"].get("egress") or [])
+
+
+def signal_destinations(docs: list[Doc], policy: Policy) -> list[Destination]:
+    """Every place the policy's signals are read from, plus DNS if any of them is a name."""
+    namespace = one(docs, "Deployment", "extproc")["metadata"]["namespace"]
+    urls: list[str] = []
+    for source in policy.signals.sources.values():
+        if source.prometheus is not None:
+            urls.append(source.prometheus.url)
+        elif source.scrape is not None:
+            urls.extend(source.scrape.targets)
+    found = [destination_of(url, namespace) for url in urls]
+    return found + DNS if any(d.ip is None for d in found) else found
+
+
+def egress_blocked(docs: list[Doc], policy: Policy) -> list[Destination]:
+    return [d for d in signal_destinations(docs, policy) if not egress_allows(docs, d)]
+
+
+def test_egress_rules_are_read_the_way_kubernetes_reads_them() -> None:
+    def docs(*policies: Doc) -> list[Doc]:
+        deployment = {"kind": "Deployment", "metadata": {"name": "extproc", "namespace": "extproc"},
+                      "spec": {"template": {"metadata": {"labels": {"app": "extproc"}}}}}
+        return [deployment, *({"kind": "NetworkPolicy", "metadata": {"name": f"p{i}", "namespace": "extproc"},
+                               "spec": {"podSelector": {"matchLabels": {"app": "extproc"}}, **p}}
+                              for i, p in enumerate(policies))]
+
+    prometheus = destination_of("http://prometheus-operated.monitoring.svc.cluster.local:9090", "extproc")
+    assert (prometheus.namespace, prometheus.ip, prometheus.port) == ("monitoring", None, 9090)
+    assert destination_of("http://prometheus", "extproc").namespace == "extproc"
+    assert destination_of("https://10.0.0.7/metrics", "extproc").ip == "10.0.0.7"
+    assert destination_of("https://10.0.0.7/metrics", "extproc").port == 443
+    assert destination_of("https://metrics.example.com/", "extproc").namespace is None
+    monitoring = {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
+    to_monitoring = {"to": [{"namespaceSelector": monitoring}]}
+
+    assert egress_allows(docs(), prometheus)                                     # nothing restricts egress
+    assert egress_allows(docs({"policyTypes": ["Ingress"], "ingress": []}), prometheus)
+    assert not egress_allows(docs({"policyTypes": ["Egress"]}), prometheus)      # deny all
+    assert not egress_allows(docs({"egress": []}), prometheus)                   # Egress implied by the key
+    assert egress_allows(docs({"policyTypes": ["Egress"], "egress": [{}]}), prometheus)
+    assert egress_allows(docs({"policyTypes": ["Egress"]}, {"policyTypes": ["Egress"], "egress": [
+        {**to_monitoring, "ports": [{"port": 9000, "endPort": 9100}]}]}), prometheus)  # policies add up
+    for rule, why in [
+        ({**to_monitoring, "ports": [{"port": 9090, "protocol": "UDP"}]}, "another protocol"),
+        ({**to_monitoring, "ports": [{"port": "web"}]}, "a named port proves nothing"),
+        ({"to": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "observability"}}}]},
+         "another namespace"),
+        ({"to": [{"podSelector": {}}]}, "a podSelector alone means the policy's own namespace"),
+        ({"to": [{"namespaceSelector": {}, "podSelector": {"matchLabels": {"app": "prometheus"}}}]},
+         "the destination pods' labels are unknown"),
+        ({"to": [{"ipBlock": {"cidr": "0.0.0.0/0"}}]}, "an ipBlock cannot match a Service name"),
+    ]:
+        assert not egress_allows(docs({"policyTypes": ["Egress"], "egress": [rule]}), prometheus), why
+    assert egress_allows(docs({"policyTypes": ["Egress"], "egress": [{"to": [{"namespaceSelector": {
+        "matchExpressions": [{"key": "kubernetes.io/metadata.name", "operator": "In",
+                              "values": ["monitoring"]}]}}]}]}), prometheus)
+    engine = destination_of("http://10.1.2.3:8000/metrics", "extproc")
+    block = {"policyTypes": ["Egress"], "egress": [{"to": [{"ipBlock": {"cidr": "10.0.0.0/8",
+                                                                        "except": ["10.1.0.0/16"]}}]}]}
+    assert not egress_allows(docs(block), engine)
+    assert egress_allows(docs(block), destination_of("http://10.2.0.1:8000/metrics", "extproc"))
+
+
+@pytest.mark.parametrize("name", WIRED)
+def test_extproc_may_reach_every_signal_source_and_dns(rendered: Rendered, name: str, tmp_path: Path) -> None:
+    docs = rendered[name]
+    _, policy = policy_of(docs, tmp_path)
+    blocked = egress_blocked(docs, policy)
+    assert not blocked, f"{name}: extproc's NetworkPolicies block its signal sources: {blocked}"
+
+
+def test_the_egress_check_follows_the_policy(rendered: Rendered, tmp_path: Path) -> None:
+    """The egress check is not vacuous: where egress is restricted, moving the policy's
+    Prometheus elsewhere, or dropping the DNS rule, leaves extproc blind."""
+    docs = copy.deepcopy(rendered["seed-scenario+signals-egress"])
+    assert egress_policies(docs), "the signals-egress component restricts extproc's egress"
+    assert not egress_policies(rendered["seed-scenario"]), "without it egress is not restricted"
+    _, policy = policy_of(docs, tmp_path)
+    [url] = [s.prometheus.url for s in policy.signals.sources.values() if s.prometheus]
+    assert not egress_blocked(docs, policy)
+
+    configmap = one(docs, "ConfigMap", "extproc-policy")
+    shipped = configmap["data"]["policy.yaml"]
+    assert shipped.count(url) == 1
+    configmap["data"]["policy.yaml"] = shipped.replace(url, url.replace(".monitoring.", ".observability."))
+    (tmp_path / "moved").mkdir()
+    _, moved = policy_of(docs, tmp_path / "moved")
+    assert [d.namespace for d in egress_blocked(docs, moved)] == ["observability"]
+    configmap["data"]["policy.yaml"] = shipped
+
+    [egress] = egress_policies(docs)
+    egress["spec"]["egress"] = [r for r in egress["spec"]["egress"]
+                                if not any(p.get("port") == 53 for p in r.get("ports", []))]
+    assert egress_blocked(docs, policy) == DNS
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -687,7 +908,7 @@ def test_alert_rules_pass_promtool(rendered: Rendered, tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     alerts = {r["alert"] for g in rule_groups(rendered["base"]) for r in g["rules"] if "alert" in r}
     assert {"InferenceQueueWaitP95High", "InferenceRejectionsRising", "InferenceKVCacheSaturated",
-            "InferencePendingRequestsGrowing", "ExtprocPolicyReloadFailing"} <= alerts
+            "InferencePendingRequestsGrowing", "ExtprocPolicyReloadFailing", "ExtprocSignalStale"} <= alerts
 
 
 #: Synthetic series (one sample a minute) and the alerts they must raise, no more, no fewer.
@@ -740,6 +961,14 @@ ALERT_CASES: dict[str, tuple[dict[str, str], str, list[dict[str, str]]]] = {
         'inference_admission_decisions_total{lane="interactive",outcome="admitted"}': "0+100x40",
         'extproc_shadow_decisions_total{lane="interactive",outcome="rejected",reason="queue_full"}': "0+1x40",
     }, "30m", [{"lane": "batch", "severity": "info"}]),
+    "ExtprocSignalStale": ({
+        # Pod a has been blind to kueue_pending for 10 minutes; pod b for 3 (still pending:
+        # `for: 5m`); kv_cache is read fine on both.
+        'extproc_signal_stale{namespace="extproc",pod="a",signal="kueue_pending"}': "0x5 1x20",
+        'extproc_signal_stale{namespace="extproc",pod="b",signal="kueue_pending"}': "0x12 1x20",
+        'extproc_signal_stale{namespace="extproc",pod="a",signal="kv_cache"}': "0x25",
+        'extproc_signal_stale{namespace="extproc",pod="b",signal="kv_cache"}': "0x25",
+    }, "15m", [{"namespace": "extproc", "pod": "a", "signal": "kueue_pending", "severity": "warning"}]),
 }
 
 
@@ -773,6 +1002,7 @@ def test_alerts_fire_on_the_situations_they_describe(rendered: Rendered,
              "values": "0+1x40"},
             {"series": 'vllm:kv_cache_usage_perc{model_name="llama"}', "values": "0.7x40"},
             {"series": 'extproc_policy_reload_failing{pod="a"}', "values": "0x40"},
+            {"series": 'extproc_signal_stale{pod="a",signal="kueue_pending"}', "values": "0x40"},
         ],
         "alert_rule_test": [{"eval_time": "35m", "alertname": alert, "exp_alerts": []}
                             for alert in sorted(alerts)],
@@ -842,13 +1072,8 @@ def test_metric_name_lexer() -> None:
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
-    """Every sample name a real extproc (and the simulated vLLM backend) can export.
-
-    Names come from the ``# TYPE`` lines, not from samples: a labelled counter has no sample
-    until its first increment (extproc_shadow_decisions_total needs a shadow lane under
-    overload), but its family is announced on every scrape from the start.
-    """
+def scraped(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The /metrics pages of a real extproc and of the simulated vLLM backend, one after the other."""
     stack = Stack(tmp_path_factory.mktemp("k8s-metrics"))
     try:
         backend = free_port()
@@ -857,14 +1082,24 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
         http = free_port()
         stack.extproc(ISTIO / "base" / "policy.yaml", free_port(), http)
         wait_http(f"http://127.0.0.1:{backend}/health", proc=stack.processes[0].popen)
-        text = (httpx.get(f"http://127.0.0.1:{http}/metrics").text
+        return (httpx.get(f"http://127.0.0.1:{http}/metrics").text
                 + httpx.get(f"http://127.0.0.1:{backend}/metrics").text)
     finally:
         stack.stop()
+
+
+@pytest.fixture(scope="module")
+def exported(scraped: str) -> set[str]:
+    """Every sample name a real extproc (and the simulated vLLM backend) can export.
+
+    Names come from the ``# TYPE`` lines, not from samples: a labelled counter has no sample
+    until its first increment (extproc_shadow_decisions_total needs a shadow lane under
+    overload), but its family is announced on every scrape from the start.
+    """
     suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"],
                 "summary": ["_sum", "_count"]}
     names: set[str] = set()
-    for family, kind in re.findall(r"^# TYPE (\S+) (\S+)$", text, flags=re.M):
+    for family, kind in re.findall(r"^# TYPE (\S+) (\S+)$", scraped, flags=re.M):
         # The text format names a counter's family with or without _total (client versions differ).
         family = family.removesuffix("_total") if kind == "counter" else family
         names.update(family + suffix for suffix in suffixes.get(kind, [""]))
@@ -875,7 +1110,8 @@ def test_every_metric_used_by_alerts_keda_and_dashboards_is_exported(
         rendered: Rendered, exported: set[str], tmp_path: Path) -> None:
     assert {"inference_queue_wait_seconds_bucket", "inference_pending_requests",
             "inference_admission_rejections_total", "vllm:kv_cache_usage_perc",
-            "extproc_policy_reload_failing", "extproc_shadow_decisions_total"} <= exported
+            "extproc_policy_reload_failing", "extproc_shadow_decisions_total",
+            "extproc_signal_stale"} <= exported
     groups = rule_groups(rendered["base"])
     recorded = {r["record"] for g in groups for r in g["rules"] if "record" in r}
     queries = {f"rule {r.get('alert') or r.get('record')}": r["expr"] for g in groups for r in g["rules"]}
@@ -898,3 +1134,204 @@ def test_every_metric_used_by_alerts_keda_and_dashboards_is_exported(
     missing = {where: names for where, names in missing.items() if names}
     assert not missing, f"metrics nothing exports: {missing}"
     assert any(where.startswith("KEDA") for where in queries)
+
+
+# --- cluster signals of the seed scenario -----------------------------------------------------
+
+#: Kueue's kueue_pending_workloads as kubernetes-sigs/kueue defines it (pkg/metrics/metrics.go,
+#: PendingWorkloads): labels cluster_queue and status, whose values are "active" (in the
+#: admission queue) and "inadmissible" (set aside after a failed attempt until capacity
+#: changes); newer releases add replica_role (leader, follower, standalone), because every
+#: replica of an HA install exports it.
+KUEUE_METRICS = {"kueue_pending_workloads": {"cluster_queue", "status", "replica_role"}}
+KUEUE_STATUSES = {"active", "inadmissible"}
+#: Labels the Prometheus Operator gives every series of a ServiceMonitor's targets.
+TARGET_LABELS = {"job", "instance", "namespace", "service", "pod", "container", "endpoint"}
+
+
+def selectors(expr: str) -> list[tuple[str, list[tuple[str, str, str]]]]:
+    """Every ``metric{label op "value", …}`` of a PromQL expression, with its matchers."""
+    found = []
+    for match in re.finditer(r'([a-zA-Z_:][a-zA-Z0-9_:]*)\s*\{((?:[^{}"]|"(?:[^"\\]|\\.)*")*)\}', expr):
+        matcher = r'([a-zA-Z_][a-zA-Z0-9_]*)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"'
+        found.append((match.group(1), re.findall(matcher, match.group(2))))
+    return found
+
+
+def test_selector_lexer() -> None:
+    expr = ('sum(max by (a) (kueue_pending_workloads{cluster_queue="q", status=~"x|y"})) '
+            '/ max(vllm:kv_cache_usage_perc{namespace!="a,b}"})')
+    assert selectors(expr) == [
+        ("kueue_pending_workloads", [("cluster_queue", "=", "q"), ("status", "=~", "x|y")]),
+        ("vllm:kv_cache_usage_perc", [("namespace", "!=", "a,b}")]),
+    ]
+
+
+def chosen(matchers: list[tuple[str, str, str]], label: str, universe: set[str]) -> tuple[set[str], set[str]]:
+    """Which of ``universe`` the matchers on ``label`` select, and literal values they name
+    that are not in it (a typo selects nothing, silently)."""
+    selected, unknown = set(universe), set[str]()
+    for name, op, value in matchers:
+        if name != label:
+            continue
+        literals = value.split("|") if re.fullmatch(r"[\w.-]+(\|[\w.-]+)*", value) else []
+        unknown.update(v for v in literals if v not in universe)
+        if op in ("=", "!="):
+            selected = {v for v in selected if (v == value) == (op == "=")}
+        else:  # PromQL regexes are anchored, like fullmatch
+            selected = {v for v in selected if (re.fullmatch(value, v) is not None) == (op == "=~")}
+    return selected, unknown
+
+
+def sample_labels(text: str) -> dict[str, set[str]]:
+    """Label names of each sample name on a /metrics page."""
+    labels: dict[str, set[str]] = {}
+    for name, inside in re.findall(r"^([a-zA-Z_:][\w:]*)(?:\{(.*)\})? \S+", text, flags=re.M):
+        labels.setdefault(name, set()).update(re.findall(r'([a-zA-Z_]\w*)="', inside))
+    return labels
+
+
+def seed_policy(rendered: Rendered, tmp_path: Path) -> tuple[list[Doc], Path, Policy]:
+    docs = rendered["seed-scenario"]
+    path, policy = policy_of(docs, tmp_path)
+    return docs, path, policy
+
+
+def test_seed_signals_query_metrics_labels_and_queues_that_exist(
+        rendered: Rendered, exported: set[str], scraped: str, tmp_path: Path) -> None:
+    docs, _, policy = seed_policy(rendered, tmp_path)
+    queries = {name: signal.query for name, signal in policy.signals.read.items() if signal.query}
+    assert queries, "the seed policy reads its signals from Prometheus"
+    known = {**{name: labels | TARGET_LABELS for name, labels in sample_labels(scraped).items()},
+             **KUEUE_METRICS}
+    queues = {q["metadata"]["name"]: q["spec"] for q in of_kind(docs, "ClusterQueue")}
+    monitored = {m["metadata"]["namespace"] for m in of_kind(docs, "ServiceMonitor")}
+    problems = []
+    for signal, query in queries.items():
+        missing = metric_names(query) - exported - set(KUEUE_METRICS)
+        if missing:
+            problems.append(f"{signal}: no extproc, vLLM or Kueue metric is named {sorted(missing)}")
+        for metric, matchers in selectors(query):
+            for label, _, value in matchers:
+                if label not in known.get(metric, set()):
+                    problems.append(f"{signal}: {metric} has no label {label!r}")
+                if label == "namespace" and metric.startswith("vllm:") and value not in monitored:
+                    problems.append(f"{signal}: no ServiceMonitor scrapes namespace {value!r}")
+            if metric not in KUEUE_METRICS:
+                continue
+            selected, unknown = chosen(matchers, "cluster_queue", set(queues))
+            if unknown or not selected or selected == set(queues):
+                problems.append(f"{signal}: cluster_queue must name ClusterQueues of kueue.yaml "
+                                f"(unknown: {sorted(unknown)}, selected: {sorted(selected)})")
+            statuses, unknown = chosen(matchers, "status", KUEUE_STATUSES)
+            if unknown:
+                problems.append(f"{signal}: Kueue has no status {sorted(unknown)}")
+            for queue in selected:
+                # Under BestEffortFIFO (Kueue's default) a workload that does not fit waits as
+                # "inadmissible" after its first attempt: "active" alone reads 0 while pods wait.
+                if queues[queue].get("queueingStrategy", "BestEffortFIFO") == "BestEffortFIFO" and \
+                        "inadmissible" not in statuses:
+                    problems.append(f"{signal}: {queue} is BestEffortFIFO; count status inadmissible too")
+    assert not problems, "\n".join(problems)
+    # Prometheus parses every query (as recording rules: promtool checks PromQL without a server).
+    rules = tmp_path / "signals.yaml"
+    rules.write_text(yaml.safe_dump({"groups": [{"name": "signals", "rules": [
+        {"record": f"check:signal_{i}", "expr": query} for i, query in enumerate(queries.values())]}]}))
+    result = run([tool("promtool"), "check", "rules", str(rules)])
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+#: For each signal of the seed policy: situations as Prometheus would hold them (one sample a
+#: minute) and the one number the query must answer then (None: no series, so the signal goes
+#: stale and its on_stale applies). extproc needs a scalar or exactly one series.
+SEED_SIGNAL_CASES: dict[str, list[tuple[str, dict[str, str], float | None]]] = {
+    "kueue_pending": [
+        ("an HA Kueue (two replicas export the same counts): 1 pod queued, 2 set aside; batch "
+         "Jobs waiting for their own GPUs do not count", {
+             'kueue_pending_workloads{cluster_queue="inference-interactive",status="active",'
+             'replica_role="leader",pod="kueue-a"}': "1x5",
+             'kueue_pending_workloads{cluster_queue="inference-interactive",status="inadmissible",'
+             'replica_role="leader",pod="kueue-a"}': "2x5",
+             'kueue_pending_workloads{cluster_queue="inference-interactive",status="active",'
+             'replica_role="follower",pod="kueue-b"}': "1x5",
+             'kueue_pending_workloads{cluster_queue="inference-interactive",status="inadmissible",'
+             'replica_role="follower",pod="kueue-b"}': "2x5",
+             'kueue_pending_workloads{cluster_queue="inference-batch",status="inadmissible",'
+             'replica_role="leader",pod="kueue-a"}': "7x5",
+         }, 3.0),
+        ("nothing waits", {
+            'kueue_pending_workloads{cluster_queue="inference-interactive",status="active"}': "0x5",
+            'kueue_pending_workloads{cluster_queue="inference-interactive",status="inadmissible"}': "0x5",
+        }, 0.0),
+        ("Kueue's metrics are not in Prometheus", {
+            'kueue_pending_workloads{cluster_queue="inference-batch",status="active"}': "4x5",
+        }, None),
+    ],
+    "kv_cache": [
+        ("the fullest model server counts; another namespace's engines do not", {
+            'vllm:kv_cache_usage_perc{namespace="inference",pod="model-server-a",model_name="m"}': "0.5x5",
+            'vllm:kv_cache_usage_perc{namespace="inference",pod="model-server-b",model_name="m"}': "0.97x5",
+            'vllm:kv_cache_usage_perc{namespace="research",pod="other",model_name="n"}': "0.99x5",
+        }, 0.97),
+        ("no model server scraped", {}, None),
+    ],
+}
+
+
+def test_seed_signals_answer_one_number_in_the_situations_they_describe(
+        rendered: Rendered, tmp_path: Path) -> None:
+    _, _, policy = seed_policy(rendered, tmp_path)
+    assert set(SEED_SIGNAL_CASES) == set(policy.signals.read), "every signal needs a case"
+    tests = []
+    for name, cases in SEED_SIGNAL_CASES.items():
+        query = policy.signals.read[name].query
+        assert query is not None
+        for _, series, expected in cases:
+            tests.append({
+                "interval": "1m",
+                "input_series": [{"series": s, "values": v} for s, v in series.items()]
+                or [{"series": "unrelated", "values": "1x5"}],
+                "promql_expr_test": [{"expr": query, "eval_time": "3m", "exp_samples": [] if expected is None
+                                      else [{"labels": "{}", "value": expected}]}],
+            })
+    (tmp_path / "none.yaml").write_text("groups: []\n")
+    spec = tmp_path / "signals_test.yaml"
+    spec.write_text(yaml.safe_dump({"rule_files": ["none.yaml"], "evaluation_interval": "1m",
+                                    "tests": tests}))
+    result = run([tool("promtool"), "test", "rules", str(spec)], cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    # The saturated situations are the ones the rules act on.
+    for rule in policy.signals.saturation:
+        value = SEED_SIGNAL_CASES[rule.signal][0][2]
+        assert value is not None
+        assert value > rule.above, f"{rule.name}: its first case does not trigger it"
+
+
+def test_seed_saturation_rules_tighten_lower_lanes_without_flapping(
+        rendered: Rendered, tmp_path: Path) -> None:
+    _, path, policy = seed_policy(rendered, tmp_path)
+    rules = policy.signals.saturation
+    assert {rule.signal for rule in rules} == set(policy.signals.read), "every signal feeds a rule"
+    top = max(policy.lanes, key=lambda lane: lane.priority).name
+    for rule in rules:
+        lanes = {*rule.shed, *rule.shrink}
+        assert lanes, f"{rule.name} only reports: a dry run left in the shipped example"
+        assert top not in lanes, f"{rule.name} tightens {top}, the lane the scenario protects"
+        assert rule.release < rule.above or rule.min_active > 0, f"{rule.name} can flap"
+    # The loader refuses a rule on a lane that does not exist, so a reload keeps the old policy.
+    doc = yaml.safe_load(path.read_text())
+    doc["signals"]["saturation"][0]["shed"] = ["bulk"]
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(yaml.safe_dump(doc))
+    result = run([sys.executable, "-m", "extproc", "policy", "check", str(broken)])
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "signals.saturation[0].shed[0]: unknown lane 'bulk'" in result.stdout + result.stderr
+
+
+def test_seed_policy_and_keda_ask_the_same_prometheus(rendered: Rendered, tmp_path: Path) -> None:
+    docs, _, policy = seed_policy(rendered, tmp_path)
+    urls = {s.prometheus.url for s in policy.signals.sources.values() if s.prometheus is not None}
+    servers = {t["metadata"]["serverAddress"] for scaled in of_kind(docs, "ScaledObject")
+               for t in scaled["spec"]["triggers"] if t["type"] == "prometheus"}
+    assert urls
+    assert urls == servers
