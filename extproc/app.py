@@ -27,6 +27,9 @@ from extproc.policy.watcher import PolicyFile, ReloadResult
 from extproc.servers import admin as admin_http
 from extproc.servers import http
 from extproc.servers.extproc import ExternalProcessor
+from extproc.servers.ratelimit import SERVICE as RATELIMIT_SERVICE
+from extproc.servers.ratelimit import ControllerPressure, RateLimitMetrics, RateLimitService
+from extproc.servers.ratelimit import add_to_server as add_ratelimit_service
 from extproc.settings import Settings
 from extproc.signals.hub import SaturationCollector, SignalHub
 
@@ -75,6 +78,10 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
 
     server = grpc.aio.server()
     ext_proc_grpc.add_ExternalProcessorServicer_to_server(processor, server)
+    edge_metrics = RateLimitMetrics(registry, metrics.saturation_rejections)
+    ratelimit = RateLimitService(ControllerPressure(controller), edge_metrics,
+                                 lambda: controller.policy.ratelimit, rng=rng)
+    add_ratelimit_service(ratelimit, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
@@ -113,7 +120,7 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
     await server.start()
     controller.start()
     hub.start()
-    for name in ("", EXT_PROC_SERVICE):
+    for name in ("", EXT_PROC_SERVICE, RATELIMIT_SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("serving", grpc=str(settings.grpc), http=str(settings.http),
              admin=str(settings.admin) if settings.admin else None, policy=settings.policy,
@@ -124,7 +131,7 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
     finally:
         log.info("draining", inflight=controller.scheduler.total_inflight,
                  queued=controller.scheduler.total_queued, grace_s=settings.shutdown_grace_s)
-        for name in ("", EXT_PROC_SERVICE):
+        for name in ("", EXT_PROC_SERVICE, RATELIMIT_SERVICE):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         controller.drain()
         finished = await controller.wait_idle(settings.shutdown_grace_s)

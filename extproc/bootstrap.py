@@ -19,6 +19,9 @@ from extproc.settings import Address
 ROOT = Path(__file__).resolve().parent.parent
 ENVOY_CONFIG = ROOT / "envoy" / "envoy.yaml"
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
+RATELIMIT_FILTER = "envoy.filters.http.ratelimit"
+#: Clusters that point at extproc: its ext_proc stream and its rate limit service (one port).
+EXTPROC_CLUSTERS = ("extproc", "extproc_ratelimit")
 
 
 def _socket(address: Address) -> dict[str, Any]:
@@ -52,7 +55,11 @@ def render(
     base: Path = ENVOY_CONFIG,
     tweak: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """The shipped bootstrap with its addresses rewritten; ``extproc=None`` removes the ext_proc filter."""
+    """The shipped bootstrap with its addresses rewritten.
+
+    ``extproc=None`` removes everything that talks to extproc (the ratelimit and ext_proc
+    filters, their per-route settings and clusters): plain Envoy, a baseline.
+    """
     config: dict[str, Any] = copy.deepcopy(yaml.safe_load(base.read_text()))
     config["admin"]["address"]["socket_address"] = _socket(admin)
     config["static_resources"]["listeners"][0]["address"]["socket_address"] = _socket(listen)
@@ -60,15 +67,21 @@ def render(
     _set_endpoint(clusters["inference_backend"], backend)
     if extproc is None:
         hcm = _hcm(config)
-        hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != EXT_PROC_FILTER]
+        ours = (EXT_PROC_FILTER, RATELIMIT_FILTER)
+        hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] not in ours]
         for vhost in hcm["route_config"]["virtual_hosts"]:
             for route in vhost["routes"]:
-                route.pop("typed_per_filter_config", None)
+                per_filter = route.get("typed_per_filter_config", {})
+                for name in ours:
+                    per_filter.pop(name, None)
+                if not per_filter:
+                    route.pop("typed_per_filter_config", None)
         config["static_resources"]["clusters"] = [
-            c for c in config["static_resources"]["clusters"] if c["name"] != "extproc"
+            c for c in config["static_resources"]["clusters"] if c["name"] not in EXTPROC_CLUSTERS
         ]
     else:
-        _set_endpoint(clusters["extproc"], extproc)
+        for name in EXTPROC_CLUSTERS:
+            _set_endpoint(clusters[name], extproc)
     if tweak is not None:
         tweak(config)
     return config

@@ -19,9 +19,10 @@ from collections.abc import Callable, Iterable, Mapping
 import structlog
 
 from extproc.core.admission import Decision, LaneView, Scheduler, State, Ticket
-from extproc.core.decision import Outcome
+from extproc.core.decision import Outcome, Reason
 from extproc.core.estimate import Job
 from extproc.core.recent import ADMIT, REJECT, SHADOW, Recent
+from extproc.core.retry_budget import RetryBudget
 from extproc.core.saturation import Effect, Reading, Saturation
 from extproc.metrics import Metrics
 from extproc.policy.schema import Policy
@@ -49,6 +50,8 @@ class Controller:
         self.on_reconfigure: list[Callable[[Policy], None]] = []
         #: Saturation rules over cluster signals; readings arrive through ``on_signals``.
         self.saturation = Saturation(policy.signals)
+        #: Retries may only be a share of admitted originals (checked in ``submit``).
+        self.retry_budget = RetryBudget.of(policy.retry_budget)
         metrics.watch(self.lanes, lambda: self.scheduler.draining)
 
     @property
@@ -108,6 +111,7 @@ class Controller:
     def reconfigure(self, policy: Policy) -> None:
         """Swap in a new policy at once; queued work it lets start is admitted."""
         self._settle(self.scheduler.reconfigure(policy, self.now()))
+        self.retry_budget.reconfigure(policy.retry_budget)
         # Rules may have been added, removed or retargeted: re-derive every lane's effect.
         self.saturation.reconfigure(policy.signals)
         self._apply_effects()
@@ -130,8 +134,14 @@ class Controller:
 
     # -- requests ---------------------------------------------------------------------
 
-    def submit(self, lane: str, tenant: str, job: Job) -> Decision:
-        decision, evicted = self.scheduler.submit(lane, tenant, job, self.now())
+    def submit(self, lane: str, tenant: str, job: Job, *, retry: bool = False) -> Decision:
+        """Decide a new request; ``retry``: its client says it is a retry (it spends retry budget)."""
+        now = self.now()
+        if retry and self.policy.retry_budget.enabled and not self.retry_budget.try_withdraw(now):
+            decision = self.scheduler.refuse(lane, tenant, job, Reason.RETRY_BUDGET, now)
+            self._record(decision)
+            return decision
+        decision, evicted = self.scheduler.submit(lane, tenant, job, now, retry=retry)
         self._record(decision)
         if decision.outcome is Outcome.QUEUED:
             self._waiters[decision.ticket.id] = asyncio.get_running_loop().create_future()
@@ -169,6 +179,8 @@ class Controller:
         metrics = self.metrics
         metrics.decisions_of(lane, decision.outcome.value).inc()
         if decision.outcome is Outcome.ADMITTED:
+            if not ticket.retry:
+                self.retry_budget.deposit(ticket.admitted_at or 0.0)
             wait = ticket.queue_wait
             metrics.queue_wait_of(lane).observe(wait)
             shadow = decision.shadow

@@ -58,6 +58,8 @@ class Ticket:
     admitted_at: float | None = None
     occupancy: float = 0.0
     entry: Entry | None = None
+    retry: bool = False
+    """Its client said it is a retry (admitted retries deposit nothing in the retry budget)."""
 
     @property
     def queue_wait(self) -> float:
@@ -95,6 +97,8 @@ class LaneView:
     """The in-flight limit in force: ``limit`` shrunk by saturation."""
     shed_by: str | None = None
     """The saturation rule shedding the lane's new requests, if any."""
+    shed_signal: str | None = None
+    """The signal behind ``shed_by``."""
 
 
 def _remaining(ticket: Ticket, now: float) -> float:
@@ -285,13 +289,13 @@ class Scheduler:
 
     # -- decisions ------------------------------------------------------------------
 
-    def submit(self, lane_name: str, tenant: str, job: Job, now: float
+    def submit(self, lane_name: str, tenant: str, job: Job, now: float, *, retry: bool = False
                ) -> tuple[Decision, list[Decision]]:
         """Decide a new request. Returns its decision and any queued requests it evicted."""
         lane = self._lanes[lane_name]
         predicted = self.estimator.predict(job, self.occupancy())
         ticket = Ticket(next(self._ids), lane.name, tenant, job, now, now + lane.deadline,
-                        predicted)
+                        predicted, retry=retry)
         if self.draining:
             return self._reject(ticket, Reason.DRAINING, now), []
         outcome, reason, crowded, rank = self._verdict(lane, ticket, now)
@@ -321,6 +325,13 @@ class Scheduler:
         self._tickets_by_entry[ticket.id] = ticket
         heapq.heappush(self._deadlines, (ticket.deadline, ticket.id, ticket))
         return Decision(Outcome.QUEUED, ticket), evicted
+
+    def refuse(self, lane_name: str, tenant: str, job: Job, reason: Reason, now: float) -> Decision:
+        """Reject a new request for a reason decided outside the scheduler (a spent retry budget)."""
+        lane = self._lanes[lane_name]
+        ticket = Ticket(next(self._ids), lane.name, tenant, job, now, now + lane.deadline,
+                        self.estimator.predict(job, self.occupancy()))
+        return self._reject(ticket, reason, now)
 
     def _verdict(self, lane: Lane, ticket: Ticket, now: float
                  ) -> tuple[Outcome, Reason | None, Entry | None, float]:
@@ -431,6 +442,7 @@ class Scheduler:
                 shadow=self.shadowed(name),
                 retired=retired,
                 shed_by=self._effects[name].shed_by if name in self._effects else None,
+                shed_signal=self._effects[name].signal if name in self._effects else None,
             )
         return views
 

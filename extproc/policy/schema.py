@@ -20,6 +20,8 @@ from pydantic import (
     model_validator,
 )
 
+from extproc.policy.ratelimit import RateLimit, RetryBudget
+from extproc.policy.ratelimit import problems as ratelimit_problems
 from extproc.policy.signals import Signals
 from extproc.policy.signals import problems as signal_problems
 
@@ -222,6 +224,9 @@ class Policy(_Strict):
     retry_after: RetryAfter = Field(default_factory=RetryAfter)
     signals: Signals = Field(default_factory=Signals)
     """Cluster signals (Prometheus queries, model-server scrapes) and the saturation rules on them."""
+    ratelimit: RateLimit = Field(default_factory=RateLimit)
+    """The rate limit service Envoy's ratelimit filter asks before ext_proc: the coarse edge shed."""
+    retry_budget: RetryBudget = Field(default_factory=RetryBudget)
 
     @field_validator("trusted_headers")
     @classmethod
@@ -287,6 +292,7 @@ class Policy(_Strict):
                 f"may borrow, so the extra slots could never be used"
             )
         problems.extend(signal_problems(self.signals, seen))
+        problems.extend(ratelimit_problems(self.ratelimit, self.retry_budget, self))
         if problems:
             # One problem per line: the loader splits them back into separate errors.
             raise ValueError("\n".join(problems))

@@ -39,6 +39,7 @@ from extproc.core.admission import Decision, Ticket
 from extproc.core.body import BodyFacts, read_body
 from extproc.core.classify import Classification, Classifier, RequestFacts
 from extproc.core.decision import Outcome, Reason
+from extproc.core.retry_budget import is_retry
 from extproc.core.saturation import Effect
 
 HEADER_PREFIX = "x-extproc-"
@@ -207,7 +208,9 @@ class _Request:
         job = controller.scheduler.estimator.job(
             facts.model, body.prompt_chars, body.prompt_tokens, body.max_tokens
         )
-        decision = controller.submit(cls.lane, cls.tenant, job)
+        budget = controller.policy.retry_budget
+        retry = budget.enabled and is_retry(headers, budget.header)
+        decision = controller.submit(cls.lane, cls.tenant, job, retry=retry)
         self.ticket = decision.ticket
         return decision
 
@@ -315,6 +318,8 @@ class _Request:
             fields["service_ms"] = service_ms
             fields["prompt_tokens"] = job.prompt_tokens
             fields["output_tokens"] = job.output_tokens
+            if ticket.retry:
+                fields["retry"] = True
         if self.saturation is not None:
             fields["signal"] = self.saturation.signal
             fields["saturation_rule"] = self.saturation.shed_by

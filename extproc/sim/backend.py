@@ -428,7 +428,10 @@ async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
         if not await _wait(request, handle.finished):
             return web.Response(status=499)  # nobody is listening; the status is for the access log
         handle.finished.result()
-        return web.json_response(reply.whole())
+        body = reply.whole()
+        # Token usage in a header too: Envoy's ratelimit filter can report it at stream end
+        # (hits_addend from %RESP(x-usage-total-tokens)%); a body it cannot read.
+        return web.json_response(body, headers={"x-usage-total-tokens": str(body["usage"]["total_tokens"])})
     finally:
         # Whatever ended this handler (client gone, handler cancelled, server stopping): free the slot.
         backend.live.cancel(handle)

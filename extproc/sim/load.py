@@ -59,10 +59,13 @@ def progress_printer(label: str, total: int) -> Progress:
 
 
 async def _attempt(session: aiohttp.ClientSession, url: str, request: Request, started: float,
-                   ) -> tuple[int, float | None, float | None, dict[str, str]]:
-    """One HTTP attempt: (status, ttft, e2e, response headers), times from ``started``."""
+                   retry: int = 0) -> tuple[int, float | None, float | None, dict[str, str]]:
+    """One HTTP attempt: (status, ttft, e2e, response headers), times from ``started``.
+
+    ``retry`` is the attempt's retry number, sent as the OpenAI SDKs send it (0 on the first).
+    """
     body = json.dumps(request.body()).encode()
-    headers = {"content-type": "application/json", **request.headers}
+    headers = {"content-type": "application/json", "x-stainless-retry-count": str(retry), **request.headers}
     async with session.post(url + request.path, data=body, headers=headers) as response:
         hdrs = {k.lower(): v for k, v in response.headers.items()}
         if response.status != 200:
@@ -96,7 +99,7 @@ async def _one(session: aiohttp.ClientSession, url: str, request: Request, clien
     while True:
         attempts += 1
         try:
-            status, ttft, e2e, headers = await _attempt(session, url, request, started)
+            status, ttft, e2e, headers = await _attempt(session, url, request, started, attempts - 1)
         except TimeoutError:
             return Result(request.index, request.cls, request.tenant, request.at, -1, None, None, attempts,
                           request.output_tokens)

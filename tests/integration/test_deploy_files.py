@@ -6,12 +6,15 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
 from extproc import bootstrap
 from extproc.localstack import ROOT, envoy_binary
+from extproc.policy import load_policy
+from extproc.policy.ratelimit import RateLimit
 from extproc.settings import Address
 
 COMPOSE_ENVOY = ROOT / "envoy" / "compose.yaml"
@@ -33,6 +36,77 @@ def test_envoy_configs_validate_with_the_real_envoy(config: Path) -> None:
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "OK" in result.stdout + result.stderr
+
+
+@pytest.mark.envoy
+def test_envoy_without_extproc_validates_and_has_nothing_that_calls_it(tmp_path: Path) -> None:
+    config = bootstrap.render(Address("127.0.0.1", 10000), Address("127.0.0.1", 9901),
+                              Address("127.0.0.1", 8000), None)
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    assert [f["name"] for f in hcm["http_filters"]] == ["envoy.filters.http.router"]
+    assert [c["name"] for c in config["static_resources"]["clusters"]] == ["inference_backend"]
+    for route in hcm["route_config"]["virtual_hosts"][0]["routes"]:
+        assert "typed_per_filter_config" not in route
+    path = tmp_path / "baseline.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+
+
+def _shipped() -> tuple[dict[str, Any], dict[str, Any]]:
+    config = yaml.safe_load((ROOT / "envoy" / "envoy.yaml").read_text())
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    return config, hcm
+
+
+def test_ratelimit_filter_runs_first_and_agrees_with_the_policy_defaults() -> None:
+    config, hcm = _shipped()
+    names = [f["name"] for f in hcm["http_filters"]]
+    assert names == [bootstrap.RATELIMIT_FILTER, bootstrap.EXT_PROC_FILTER, "envoy.filters.http.router"]
+    ratelimit = hcm["http_filters"][0]["typed_config"]
+    defaults = RateLimit()
+    assert ratelimit["domain"] == defaults.domain
+    # ext_proc behind it still decides every request: the edge may fail open.
+    assert ratelimit["failure_mode_deny"] is False
+    assert ratelimit["enable_x_ratelimit_headers"] == "DRAFT_VERSION_03"
+    assert ratelimit["rate_limit_service"]["transport_api_version"] == "V3"
+    cluster_name = ratelimit["rate_limit_service"]["grpc_service"]["envoy_grpc"]["cluster_name"]
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    assert cluster_name in bootstrap.EXTPROC_CLUSTERS
+    endpoint = lambda c: c["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]  # noqa: E731
+    assert endpoint(clusters[cluster_name]) == endpoint(clusters["extproc"])  # extproc's own port
+    assert "http2_protocol_options" in str(clusters[cluster_name]["typed_extension_protocol_options"])
+
+
+def test_inference_route_sends_what_the_rate_limit_service_reads() -> None:
+    _, hcm = _shipped()
+    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    health = next(r for r in routes if r["match"].get("path") == "/health")
+    assert health["typed_per_filter_config"]["envoy.filters.http.ratelimit"]["disabled"] is True
+    inference = next(r for r in routes if r["match"].get("prefix") == "/")
+    rate_limits = inference["typed_per_filter_config"]["envoy.filters.http.ratelimit"]["rate_limits"]
+    kinds = {}
+    for limit in rate_limits:
+        generic = next(a["generic_key"]["descriptor_value"] for a in limit["actions"] if "generic_key" in a)
+        kinds[generic] = limit
+    defaults = RateLimit()
+    assert set(kinds) == {defaults.request_descriptor, defaults.usage_descriptor}
+    arrival, usage = kinds[defaults.request_descriptor], kinds[defaults.usage_descriptor]
+    sent = {a["request_headers"]["header_name"]: a["request_headers"] for a in arrival["actions"]
+            if "request_headers" in a}
+    assert sent[":path"]["descriptor_key"] == "path"
+    assert sent[":method"]["descriptor_key"] == "method"
+    # Each header the example policy trusts goes under its own name, and a missing one
+    # must not drop the whole descriptor.
+    policy = load_policy(ROOT / "examples" / "policy.yaml")
+    for header in policy.trusted_headers:
+        assert sent[header] == {"header_name": header, "descriptor_key": header, "skip_if_absent": True}
+    assert not arrival.get("apply_on_stream_done", False)
+    assert usage["apply_on_stream_done"] is True
+    assert usage["hits_addend"] == {"format": "%RESP(x-usage-total-tokens)%"}
+    tenant = policy.tenants.header
+    assert any(a.get("request_headers", {}).get("descriptor_key") == tenant for a in usage["actions"])
 
 
 def test_compose_envoy_config_is_generated_from_the_shipped_one() -> None:

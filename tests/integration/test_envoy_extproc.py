@@ -48,6 +48,8 @@ estimation:
   default_max_tokens: 100
   learning_rate: 0
   occupancy_slowdown: 0
+# These tests are about ext_proc's decisions; the edge shed has its own (test_ratelimit.py).
+ratelimit: {mode: "off"}
 """
 
 

@@ -134,6 +134,7 @@ def test_sighup_shrinks_a_limit_without_cutting_running_requests(make_env: Calla
                    extproc_args=("--watch-interval", "0"))
     upstream_peak(env)
     with ThreadPoolExecutor(4) as pool:
+        started = time.monotonic()
         running = [pool.submit(post, env, "/v1/x", 1500) for _ in range(3)]
         wait_for(lambda: env.metric("inference_inflight_requests", lane="a") == 3, "three running")
         env.policy.write_text(POLICY.replace("max_inflight: 2", "max_inflight: 1"))
@@ -144,13 +145,16 @@ def test_sighup_shrinks_a_limit_without_cutting_running_requests(make_env: Calla
 
         os.kill(extproc_pid(env), signal.SIGHUP)
         wait_for(lambda: env.metric("inference_inflight_limit", lane="a") == 1, "the SIGHUP reload")
+        late_at = time.monotonic()
         late = pool.submit(post, env, "/v1/x", 0)
         results = [f.result() for f in running]
         late_response = late.result()
     assert [r.status_code for r in results] == [200] * 3
-    # The late request waited until in-flight work fell below the new limit of 1: all three ended.
+    # The late request waited until in-flight work fell below the new limit of 1: all three ended,
+    # none of them sooner than 1.5 s after it was sent (100 ms allowed for clock and rounding).
     assert late_response.status_code == 200
-    assert int(late_response.json()["headers"]["x-extproc-queue-ms"]) >= 900
+    floor_ms = (started + 1.5 - late_at) * 1000 - 100
+    assert int(late_response.json()["headers"]["x-extproc-queue-ms"]) >= floor_ms
 
 
 SHADOW = """
@@ -237,3 +241,40 @@ def test_an_exposed_admin_port_without_a_token_refuses_to_start(tmp_path: Path) 
         capture_output=True, text=True, timeout=30, env={"PATH": "/usr/bin:/bin"})
     assert result.returncode == 3
     assert "is not on loopback: set a token" in result.stderr
+
+
+EDGE = """
+lanes:
+  - {name: a, max_inflight: 1, max_queued: 1, deadline: 20s}
+capacity: {max_hold: 60s}
+classification: {default_lane: a}
+retry_budget: {ratio: 0, min_per_second: 0}
+"""
+
+
+def test_the_real_extproc_sheds_at_the_edge_and_keeps_a_retry_budget(make_env: Callable[..., Env]) -> None:
+    env = make_env(EDGE)
+    with ThreadPoolExecutor(2) as pool:
+        running = pool.submit(post, env, "/v1/x", 1500)
+        wait_for(lambda: env.metric("inference_inflight_requests", lane="a") == 1, "one running")
+        queued = pool.submit(post, env, "/v1/x", 0)
+        wait_for(lambda: env.metric("inference_pending_requests", lane="a") == 1, "one queued")
+        # The lane is full: Envoy's ratelimit filter, asking extproc's rate limit service, sheds
+        # the next request before any ext_proc work.
+        shed = post(env)
+        assert shed.status_code == 429
+        assert "x-envoy-ratelimited" in shed.headers
+        assert int(shed.headers["retry-after"]) >= 1
+        assert shed.headers["x-ratelimit-limit"].startswith("2")
+        assert running.result().status_code == queued.result().status_code == 200
+    assert env.metric("extproc_ratelimit_decisions_total", lane="a", code="over_limit", reason="queue_full",
+                      shadow="false") >= 1
+    # No retry budget at all: a retry (as the OpenAI SDKs mark them) is refused, an original is not.
+    retry = httpx.post(env.url + "/v1/x", json={"max_tokens": 5}, headers={"x-stainless-retry-count": "1"},
+                       timeout=10)
+    assert retry.status_code == 429
+    assert retry.headers["x-extproc-reason"] == "retry_budget"
+    assert retry.headers["x-should-retry"] == "false"
+    original = httpx.post(env.url + "/v1/x", json={"max_tokens": 5}, headers={"x-stainless-retry-count": "0"},
+                          timeout=10)
+    assert original.status_code == 200

@@ -1,0 +1,112 @@
+"""The retry budget: retries may be at most a set share of the admitted original requests.
+
+How this works: every admitted original request deposits one unit, every retry
+that is let through withdraws one. Over a sliding window, retries may spend
+``ratio`` × the deposits, plus a floor of ``min_per_second`` × the window, so
+that a quiet service (few deposits) can still retry now and then. When the
+budget is spent, further retries are refused until old withdrawals leave the
+window or new originals come in. A storm of retries therefore adds at most
+``ratio`` (and the floor) to the load, however many clients retry and however often.
+
+The window is a ring of a few slots of equal width: counts move out a slot at a
+time, memory is constant, and each call costs at most one pass over the ring.
+
+A request is recognised as a retry by a header its client sets: the OpenAI and
+Anthropic SDKs send ``x-stainless-retry-count`` (0 on the first attempt). A
+client that leaves the header out escapes the budget (its retries look like
+originals) but not admission, which treats every request alike.
+
+Pure: every call takes ``now``; no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from extproc.policy.ratelimit import RetryBudget as RetryBudgetPolicy
+
+#: Slots in the window's ring: the window slides in steps of window / SLOTS.
+SLOTS = 10
+
+
+def is_retry(headers: Mapping[str, str], header: str) -> bool:
+    """Whether a request's headers say it is a retry: a retry count above 0.
+
+    ``headers`` has lower-cased names. Repeated headers arrive joined with commas;
+    the first value counts. Anything that is not a whole number is not a retry.
+    """
+    value = headers.get(header.lower())
+    if not value:
+        return False
+    first = value.split(",", 1)[0].strip()
+    return first.isdigit() and int(first) > 0
+
+
+class RetryBudget:
+    def __init__(self, ratio: float, min_per_second: float, window_s: float) -> None:
+        if not 0 <= ratio <= 1:
+            raise ValueError(f"ratio must be within [0, 1], got {ratio!r}")
+        if not (min_per_second >= 0 and math.isfinite(min_per_second)):
+            raise ValueError(f"min_per_second must be a non-negative number, got {min_per_second!r}")
+        if not (window_s > 0 and math.isfinite(window_s)):
+            raise ValueError(f"window_s must be a positive number, got {window_s!r}")
+        self.ratio = ratio
+        self.min_per_second = min_per_second
+        self.window_s = window_s
+        self._width = window_s / SLOTS
+        self._deposits = [0] * SLOTS
+        self._withdrawals = [0] * SLOTS
+        #: Index (in slot widths since time 0) of the newest slot in the ring.
+        self._head: int | None = None
+
+    @classmethod
+    def of(cls, policy: RetryBudgetPolicy) -> RetryBudget:
+        return cls(policy.ratio, policy.min_per_second, policy.window)
+
+    def reconfigure(self, policy: RetryBudgetPolicy) -> None:
+        """A policy reload: the counts are kept unless the window changed (then they start over)."""
+        fresh = RetryBudget.of(policy)
+        self.ratio, self.min_per_second = fresh.ratio, fresh.min_per_second
+        if fresh.window_s != self.window_s:
+            self.window_s, self._width = fresh.window_s, fresh._width
+            self._deposits, self._withdrawals, self._head = fresh._deposits, fresh._withdrawals, None
+
+    def deposit(self, now: float) -> None:
+        """An original request was admitted."""
+        self._deposits[self._advance(now)] += 1
+
+    def try_withdraw(self, now: float) -> bool:
+        """A retry asks to go through: True (and counted) if the budget allows one more."""
+        slot = self._advance(now)
+        if self._balance() < 1.0:
+            return False
+        self._withdrawals[slot] += 1
+        return True
+
+    def balance(self, now: float) -> float:
+        """Retries that would still be allowed now."""
+        self._advance(now)
+        return self._balance()
+
+    def _balance(self) -> float:
+        allowed = self.ratio * sum(self._deposits) + self.min_per_second * self.window_s
+        return allowed - sum(self._withdrawals)
+
+    def _advance(self, now: float) -> int:
+        """Rotate the ring up to ``now``; returns the slot that ``now`` falls in."""
+        index = math.floor(now / self._width) if math.isfinite(now) else 0
+        head = self._head
+        if head is None or index - head >= SLOTS:
+            if head is not None:
+                self._deposits = [0] * SLOTS
+                self._withdrawals = [0] * SLOTS
+            self._head = index
+        elif index > head:
+            for i in range(head + 1, index + 1):
+                self._deposits[i % SLOTS] = 0
+                self._withdrawals[i % SLOTS] = 0
+            self._head = index
+        # A clock that steps back lands in the newest slot rather than erasing anything.
+        assert self._head is not None
+        return self._head % SLOTS

@@ -1,0 +1,137 @@
+"""Policy for the edge shed (Envoy's rate limit service) and the retry budget.
+
+Two top-level policy keys: ``ratelimit`` (what the rate limit service answers
+Envoy's ratelimit filter: lane pressure and per-tenant budgets) and
+``retry_budget`` (how large a share of admitted work retries may be). Both are
+strict and frozen like the rest of the policy; ``problems`` reports the rules
+that need the whole policy to check, one "key.path: message" line each.
+
+A tenant budget is a token bucket: ``requests`` (or ``tokens``) ``per`` unit of
+time, refilled continuously, holding ``burst`` units' worth at most::
+
+    ratelimit:
+      budgets:
+        default: {requests: 600, tokens: 200000, per: minute}
+        tenants:
+          acme: {requests: 6000, tokens: 2000000, per: minute}
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+
+if TYPE_CHECKING:
+    from extproc.policy.schema import Policy
+
+
+def _seconds(value: object) -> object:
+    # The policy's one duration syntax lives in schema, which imports this module for its
+    # field types: importing it when a value is parsed (not when this module loads) avoids
+    # the import cycle.
+    from extproc.policy.schema import _parse_duration
+
+    return _parse_duration(value)
+
+
+_Duration = Annotated[float, BeforeValidator(_seconds)]
+_HeaderName = Annotated[str, Field(pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$", max_length=128)]
+_DescriptorValue = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
+Unit = Literal["second", "minute", "hour", "day"]
+UNIT_SECONDS: dict[str, float] = {"second": 1.0, "minute": 60.0, "hour": 3600.0, "day": 86400.0}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
+
+
+class TenantLimit(_Strict):
+    """One tenant's budget. A limit left out is no limit."""
+
+    requests: Annotated[int | None, Field(ge=1, le=1_000_000_000)] = None
+    tokens: Annotated[int | None, Field(ge=1, le=4_000_000_000)] = None
+    """Tokens (prompt + completion) as the backend reports them when a response ends."""
+    per: Unit = "minute"
+    burst: Annotated[float, Field(gt=0, le=100)] = 1.0
+    """The bucket holds this many units' worth: 1 lets a whole minute's budget go at once."""
+
+    @property
+    def unit_seconds(self) -> float:
+        return UNIT_SECONDS[self.per]
+
+
+class Budgets(_Strict):
+    default: TenantLimit = Field(default_factory=TenantLimit)
+    """Applies to every tenant not listed under ``tenants``."""
+    tenants: dict[Annotated[str, Field(min_length=1, max_length=1024)], TenantLimit] = Field(
+        default_factory=dict)
+    """Per-tenant budgets; each replaces the default as a whole (unset limits are no limits)."""
+    max_tenants: Annotated[int, Field(ge=1, le=10_000_000)] = 100_000
+    """Tenants tracked at once; the least recently seen are forgotten (and start full again)."""
+
+    def of(self, tenant: str) -> TenantLimit:
+        return self.tenants.get(tenant, self.default)
+
+    @property
+    def any(self) -> bool:
+        return any(limit.requests or limit.tokens for limit in (self.default, *self.tenants.values()))
+
+
+class RateLimit(_Strict):
+    """What the rate limit service answers Envoy's ratelimit filter (the edge, before ext_proc)."""
+
+    mode: Literal["enforce", "shadow", "off"] = "enforce"
+    """shadow: decide and count, but always answer OK. off: answer OK without deciding."""
+    domain: _DescriptorValue = "extproc"
+    """Must equal the ratelimit filter's ``domain``; requests for other domains are let through."""
+    request_descriptor: _DescriptorValue = "gpu_inference"
+    """``generic_key`` of the descriptor Envoy sends as a request arrives."""
+    usage_descriptor: _DescriptorValue = "gpu_inference_tokens"
+    """``generic_key`` of the descriptor Envoy sends when a response ends, tokens as hits_addend."""
+    queue_share: Annotated[float, Field(gt=0, le=1)] = 1.0
+    """Shed a lane at the edge once its queue holds this share of max_queued (and no slot is free)."""
+    shed_saturated: bool = True
+    """Shed at the edge the lanes that saturation sheds (a retry cannot help them soon)."""
+    budgets: Budgets = Field(default_factory=Budgets)
+
+
+class RetryBudget(_Strict):
+    """Retries may be at most ``ratio`` of the admitted original requests, plus a small floor."""
+
+    enabled: bool = True
+    header: _HeaderName = "x-stainless-retry-count"
+    """A request whose value here is a number above 0 is a retry (the OpenAI SDKs set it)."""
+    ratio: Annotated[float, Field(ge=0, le=1)] = 0.1
+    min_per_second: Annotated[float, Field(ge=0, le=1_000_000)] = 1.0
+    """Retries allowed per second however few originals there were (a quiet service may retry)."""
+    window: Annotated[_Duration, Field(gt=0, le=3600)] = 10.0
+
+    @field_validator("header")
+    @classmethod
+    def _lower(cls, value: str) -> str:
+        return value.lower()
+
+
+def problems(ratelimit: RateLimit, retry_budget: RetryBudget, policy: Policy) -> list[str]:
+    """Rules that need the whole policy, as "key.path: message" lines (empty when all hold)."""
+    out: list[str] = []
+    if ratelimit.usage_descriptor == ratelimit.request_descriptor:
+        out.append(
+            f"ratelimit.usage_descriptor: equals request_descriptor ({ratelimit.request_descriptor!r}); "
+            f"token reports could not be told from requests"
+        )
+    tenants = policy.tenants
+    for name in ratelimit.budgets.tenants:
+        where = f"ratelimit.budgets.tenants.{name}"
+        if len(name) > tenants.max_tenant_length:
+            out.append(
+                f"{where}: longer than tenants.max_tenant_length ({tenants.max_tenant_length}); "
+                f"tenant names are cut to that length, so this budget could never apply"
+            )
+        elif tenants.header is None and name != tenants.default:
+            out.append(
+                f"{where}: no tenants.header is set, so every request is tenant {tenants.default!r} "
+                f"and this budget could never apply"
+            )
+    return out

@@ -1,0 +1,302 @@
+"""The edge shed through a real Envoy: its ratelimit filter asks extproc's rate limit service.
+
+Envoy runs the shipped config (ratelimit → ext_proc → router); extproc's rate limit
+service and ext_proc servicer share one real gRPC server and one real Controller in this
+process, so a test can see the scheduler's state and change the ``ratelimit`` policy
+between requests. The upstream, also in this process, holds a request until the test
+lets it go (no sleeps to line requests up) and reports token usage when asked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+from aiohttp import web
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
+from prometheus_client import CollectorRegistry
+
+from extproc.controller import Controller
+from extproc.localstack import Stack, envoy_config, free_port
+from extproc.metrics import Metrics
+from extproc.policy import Policy
+from extproc.policy.ratelimit import RateLimit
+from extproc.servers.extproc import ExternalProcessor
+from extproc.servers.ratelimit import ControllerPressure, RateLimitMetrics, RateLimitService, add_to_server
+
+pytestmark = pytest.mark.envoy
+
+POLICY = Policy.model_validate({
+    "lanes": [{"name": "interactive", "max_inflight": 1, "max_queued": 1, "deadline": "20s"}],
+    "capacity": {"max_hold": "60s"},
+    "trusted_headers": ["x-tenant-id"],
+    "classification": {"default_lane": "interactive"},
+    "tenants": {"header": "x-tenant-id", "default": "anon"},
+    "retry_after": {"min": 1, "max": 30, "jitter": 0},
+})
+CHAT = {"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]}
+
+
+@dataclass
+class Upstream:
+    """Echoes what it got; ``x-test-hold: NAME`` waits for ``release(NAME)``; ``x-test-usage: N``
+    reports N tokens in ``x-usage-total-tokens``, as a backend would."""
+
+    holds: dict[str, asyncio.Event] = field(default_factory=dict)
+    seen: int = 0
+
+    def hold(self, name: str) -> asyncio.Event:
+        return self.holds.setdefault(name, asyncio.Event())
+
+    def release(self, name: str) -> None:
+        self.hold(name).set()
+
+    async def handle(self, request: web.Request) -> web.Response:
+        self.seen += 1
+        await request.read()
+        name = request.headers.get("x-test-hold")
+        if name:
+            await self.hold(name).wait()
+        headers = {}
+        if "x-test-usage" in request.headers:
+            headers["x-usage-total-tokens"] = request.headers["x-test-usage"]
+        seen = {k.lower(): v for k, v in request.headers.items()}
+        return web.json_response({"path": request.path, "headers": seen}, headers=headers)
+
+
+@dataclass
+class Live:
+    """The ``ratelimit`` policy the service reads on every call: a test may swap it."""
+
+    config: RateLimit
+
+
+@dataclass
+class Edge:
+    url: str
+    admin: str
+    controller: Controller
+    registry: CollectorRegistry
+    upstream: Upstream
+    stack: Stack
+    live: Live
+
+    def sample(self, name: str, **labels: str) -> float:
+        return self.registry.get_sample_value(name, labels) or 0.0
+
+    def envoy_stat(self, name: str) -> int:
+        text = httpx.get(f"{self.admin}/stats?filter=^{name}$", timeout=5).text
+        return int(text.split(":")[1]) if ":" in text else 0
+
+
+async def until(predicate: Callable[[], bool], what: str, within_s: float = 10.0) -> None:
+    """Wait for a state the test needs before its next step (not a speed assertion)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+MakeEdge = Callable[..., Awaitable[Edge]]
+
+
+@pytest.fixture
+async def make_edge(tmp_path: Path) -> AsyncIterator[MakeEdge]:
+    async with AsyncExitStack() as exits:
+        async def make(config: RateLimit | None = None, *, rls: bool = True,
+                       rls_port: int | None = None) -> Edge:
+            registry = CollectorRegistry()
+            controller = Controller(POLICY, Metrics(registry), rng=random.Random(3))
+            controller.start()
+            exits.push_async_callback(controller.stop)
+            server = grpc.aio.server()
+            ext_proc_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(controller), server)
+            live = Live(config or RateLimit())
+            if rls:
+                add_to_server(RateLimitService(ControllerPressure(controller), RateLimitMetrics(registry),
+                                               lambda: live.config, rng=random.Random(3)), server)
+            grpc_port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            exits.push_async_callback(server.stop, None)
+
+            upstream = Upstream()
+            app = web.Application()
+            app.router.add_route("*", "/{tail:.*}", upstream.handle)
+            runner = web.AppRunner(app, access_log=None)
+            await runner.setup()
+            exits.push_async_callback(runner.cleanup)
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            upstream_port = runner.addresses[0][1]
+
+            def point_rls_elsewhere(doc: dict[str, Any]) -> None:
+                if rls_port is None:
+                    return
+                clusters = doc["static_resources"]["clusters"]
+                cluster = next(c for c in clusters if c["name"] == "extproc_ratelimit")
+                endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+                endpoint["address"]["socket_address"]["port_value"] = rls_port
+
+            listen, admin = free_port(), free_port()
+            stack = Stack(tmp_path)
+            exits.push_async_callback(asyncio.to_thread, stack.stop)
+            await asyncio.to_thread(stack.envoy, envoy_config(listen, admin, upstream_port, grpc_port,
+                                                              tweak=point_rls_elsewhere))
+            return Edge(f"http://127.0.0.1:{listen}", f"http://127.0.0.1:{admin}", controller, registry,
+                        upstream, stack, live)
+
+        yield make
+
+
+def budgets(**default: Any) -> RateLimit:
+    return RateLimit.model_validate({"budgets": {"default": default}})
+
+
+async def test_full_lane_is_shed_at_the_edge_with_429_retry_after_and_ratelimit_headers(
+        make_edge: MakeEdge) -> None:
+    edge = await make_edge()
+    scheduler = edge.controller.scheduler
+    async with httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
+        idle = await client.post("/v1/chat/completions", json=CHAT)
+        assert idle.status_code == 200
+        # The lane's room: 1 slot + 1 queue place; no window, since it is not a rate.
+        assert (idle.headers["x-ratelimit-limit"], idle.headers["x-ratelimit-remaining"]) == ("2", "2")
+
+        def held(name: str) -> asyncio.Task[httpx.Response]:
+            return asyncio.create_task(client.post("/v1/chat/completions", json=CHAT,
+                                                   headers={"x-test-hold": name}))
+
+        busy = held("a")
+        await until(lambda: scheduler.total_inflight == 1, "the first request to be admitted")
+        queued = held("b")
+        await until(lambda: scheduler.total_queued == 1, "the second request to be queued")
+        seen = edge.upstream.seen
+
+        shed = await client.post("/v1/chat/completions", json=CHAT)
+        # Shed before ext_proc: neither it nor the upstream saw the request.
+        assert edge.upstream.seen == seen
+
+        edge.upstream.release("a")
+        edge.upstream.release("b")
+        assert (await busy).status_code == 200
+        assert (await queued).status_code == 200
+    assert shed.status_code == 429
+    assert shed.headers["x-envoy-ratelimited"] == "true"
+    assert 1 <= int(shed.headers["retry-after"]) <= 30
+    assert shed.headers["x-ratelimit-limit"] == "2"
+    assert shed.headers["x-ratelimit-remaining"] == "0"
+    assert shed.headers["x-ratelimit-reset"].isdigit()
+    assert shed.headers["x-extproc-reason"] == "queue_full"
+    assert shed.headers["x-extproc-lane"] == "interactive"
+    assert shed.headers["content-type"] == "application/json"
+    assert "x-should-retry" not in shed.headers
+    error = shed.json()["error"]
+    assert (error["code"], error["type"]) == ("queue_full", "rate_limit_exceeded")
+    assert error["lane"] == "interactive"
+    assert edge.sample("inference_admission_rejections_total", lane="interactive", reason="queue_full") == 0
+    assert edge.sample("extproc_ratelimit_decisions_total", lane="interactive", code="over_limit",
+                       reason="queue_full", shadow="false") == 1
+
+
+async def test_shadow_mode_passes_everything_and_counts(make_edge: MakeEdge) -> None:
+    edge = await make_edge(RateLimit.model_validate({"mode": "shadow",
+                                                     "budgets": {"default": {"requests": 1}}}))
+    async with httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
+        responses = [await client.post("/v1/chat/completions", json=CHAT, headers={"x-tenant-id": "acme"})
+                     for _ in range(3)]
+    assert [r.status_code for r in responses] == [200, 200, 200]
+    for r in responses:
+        assert "x-envoy-ratelimited" not in r.headers
+        assert "x-ratelimit-limit" not in r.headers
+    assert edge.sample("extproc_ratelimit_decisions_total", lane="interactive", code="over_limit",
+                       reason="tenant_request_budget", shadow="true") == 2
+    assert edge.sample("extproc_ratelimit_decisions_total", lane="interactive", code="ok", reason="none",
+                       shadow="true") == 1
+    # The would-be shed reaches Envoy's access log through the filter's dynamic metadata (Envoy
+    # writes its access log out when it stops, rather than up to 10 s later).
+    envoy = next(p for p in edge.stack.processes if p.name == "envoy")
+    await asyncio.to_thread(envoy.stop)
+    assert envoy.output().count('"edge_shadow":"tenant_request_budget"') == 2
+
+
+async def test_tenant_request_budget_runs_out(make_edge: MakeEdge) -> None:
+    edge = await make_edge(budgets(requests=2, per="minute"))
+    async with httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
+        acme = [await client.post("/v1/chat/completions", json=CHAT, headers={"x-tenant-id": "acme"})
+                for _ in range(3)]
+        globex = await client.post("/v1/chat/completions", json=CHAT, headers={"x-tenant-id": "globex"})
+    assert [r.status_code for r in acme] == [200, 200, 429]
+    # The tightest limit, with its window and name (draft 03 quota policy syntax).
+    assert acme[0].headers["x-ratelimit-limit"] == '2, 2;w=60;name="tenant_requests"'
+    assert acme[0].headers["x-ratelimit-remaining"] == "1"
+    refused = acme[2]
+    assert refused.headers["x-extproc-reason"] == "tenant_request_budget"
+    assert refused.headers["retry-after"] == "30"
+    assert refused.headers["x-ratelimit-remaining"] == "0"
+    assert refused.json()["error"]["code"] == "tenant_request_budget"
+    assert globex.status_code == 200
+
+
+async def test_tokens_reported_at_stream_end_spend_the_tenant_token_budget(make_edge: MakeEdge) -> None:
+    edge = await make_edge(budgets(tokens=100, per="minute"))
+    async with httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
+        first = await client.post("/v1/chat/completions", json=CHAT,
+                                  headers={"x-tenant-id": "acme", "x-test-usage": "500"})
+        assert first.status_code == 200
+        # Envoy reports the usage after the response, in a second call at stream end.
+        await until(lambda: edge.sample("extproc_ratelimit_usage_tokens_total") == 500, "the usage report")
+        refused = await client.post("/v1/chat/completions", json=CHAT, headers={"x-tenant-id": "acme"})
+        other = await client.post("/v1/chat/completions", json=CHAT, headers={"x-tenant-id": "globex"})
+    assert refused.status_code == 429
+    assert refused.headers["x-extproc-reason"] == "tenant_token_budget"
+    assert refused.headers["x-ratelimit-limit"] == '100, 100;w=60;name="tenant_tokens"'
+    assert other.status_code == 200
+    # A response without a usage header reports nothing.
+    assert edge.sample("extproc_ratelimit_usage_reports_total") == 1
+
+
+@pytest.mark.parametrize("down", ["unimplemented", "unreachable"])
+async def test_requests_pass_when_the_rate_limit_service_is_down(make_edge: MakeEdge, down: str) -> None:
+    if down == "unimplemented":
+        # An extproc that serves ext_proc but not the rate limit service answers UNIMPLEMENTED.
+        edge = await make_edge(rls=False)
+    else:
+        edge = await make_edge(rls_port=free_port())
+    async with httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
+        responses = [await client.post("/v1/chat/completions", json=CHAT) for _ in range(3)]
+    assert [r.status_code for r in responses] == [200, 200, 200]
+    # ext_proc still decided every request.
+    assert all(r.json()["headers"]["x-extproc-lane"] == "interactive" for r in responses)
+    assert edge.envoy_stat("cluster.inference_backend.ratelimit.failure_mode_allowed") == 3
+
+
+async def test_health_route_never_asks_the_rate_limit_service(make_edge: MakeEdge) -> None:
+    edge = await make_edge(budgets(requests=1))
+    async with httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
+        health = [await client.get("/health") for _ in range(3)]
+        inference = await client.post("/v1/chat/completions", json=CHAT)
+    assert [r.status_code for r in health] == [200, 200, 200]
+    assert all("x-ratelimit-limit" not in r.headers for r in health)
+    assert inference.status_code == 200
+    assert edge.sample("extproc_ratelimit_decisions_total", lane="interactive", code="ok", reason="none",
+                       shadow="false") == 1
+
+
+async def test_a_policy_change_applies_to_the_next_request(make_edge: MakeEdge) -> None:
+    edge = await make_edge()
+    async with httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
+        assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+        edge.live.config = budgets(requests=1, per="hour")
+        statuses = [(await client.post("/v1/chat/completions", json=CHAT)).status_code for _ in range(2)]
+    assert statuses == [200, 429]
+    assert edge.envoy_stat("cluster.inference_backend.ratelimit.over_limit") == 1
