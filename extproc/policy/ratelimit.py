@@ -78,10 +78,15 @@ class Budgets(_Strict):
         return any(limit.requests or limit.tokens for limit in (self.default, *self.tenants.values()))
 
 
+def _off(value: object) -> object:
+    # YAML 1.1 reads a bare `off` as false: take it as the "off" it was written as.
+    return "off" if value is False else value
+
+
 class RateLimit(_Strict):
     """What the rate limit service answers Envoy's ratelimit filter (the edge, before ext_proc)."""
 
-    mode: Literal["enforce", "shadow", "off"] = "enforce"
+    mode: Annotated[Literal["enforce", "shadow", "off"], BeforeValidator(_off)] = "enforce"
     """shadow: decide and count, but always answer OK. off: answer OK without deciding."""
     domain: _DescriptorValue = "extproc"
     """Must equal the ratelimit filter's ``domain``; requests for other domains are let through."""

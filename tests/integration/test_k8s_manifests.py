@@ -2,10 +2,14 @@
 
 Every check uses the real tool: ``kubectl kustomize`` builds each kustomization,
 ``kubernetes-validate`` checks every built resource against the Kubernetes schemas
-(strictly: unknown fields are errors), a real Envoy validates every EnvoyFilter patch,
-``extproc policy check`` the policy in each ConfigMap, ``promtool`` the alert rules (and
-unit-tests them on synthetic series), a real ``redis-server`` the Redis arguments, and a
-real extproc's ``/metrics`` every metric name used by alerts, KEDA and the dashboard. A real
+(strictly: unknown fields are errors), a real Envoy validates every EnvoyFilter patch (the
+ratelimit and ext_proc filters, the edge shed's route descriptors and opt-outs, applied in
+the order Istio applies them), ``extproc policy check`` the policy in each ConfigMap,
+``promtool`` the alert rules (and unit-tests them on synthetic series), a real
+``redis-server`` the Redis arguments, and a real extproc's ``/metrics`` every metric name
+used by alerts, KEDA and the dashboard. The EnvoyFilters' filters and descriptors equal
+envoy/envoy.yaml's (the tested local setup); the edge shed runs before ext_proc, fails
+open, and asks for the domain and descriptors of the policy in the ConfigMap. A real
 extproc started with the Deployment's flags follows its policy ConfigMap through updates
 made the way the kubelet makes them (hot reload, no rollout).
 
@@ -68,6 +72,8 @@ K8S_VERSIONS = ["1.29.0", kubernetes_validate.latest_version()]
 CRD_GROUPS = {"networking.istio.io", "monitoring.coreos.com", "keda.sh", "kueue.x-k8s.io"}
 HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 EXT_PROC = "envoy.filters.http.ext_proc"
+RATELIMIT = "envoy.filters.http.ratelimit"
+ROUTER = "envoy.filters.http.router"
 Doc = dict[str, Any]
 Rendered = dict[str, list[Doc]]
 PROMQL_WORDS = {"and", "or", "unless", "by", "without", "on", "ignoring", "group_left", "group_right",
@@ -134,11 +140,25 @@ def policy_of(docs: list[Doc], tmp: Path) -> tuple[Path, Policy]:
     return path, load_policy(str(path))
 
 
-def ext_proc_patches(docs: list[Doc]) -> list[tuple[str, dict[str, Any]]]:
-    """(context, filter) for every ext_proc filter an EnvoyFilter inserts."""
+def filter_patches(docs: list[Doc], name: str) -> list[tuple[str, dict[str, Any]]]:
+    """(context, filter) for every HTTP filter called ``name`` an EnvoyFilter inserts."""
     return [(p["match"]["context"], p["patch"]["value"])
             for f in of_kind(docs, "EnvoyFilter") for p in f["spec"]["configPatches"]
-            if p["applyTo"] == "HTTP_FILTER" and p["patch"]["value"]["name"] == EXT_PROC]
+            if p["applyTo"] == "HTTP_FILTER" and p["patch"]["value"]["name"] == name]
+
+
+def route_patches(envoyfilter: Doc) -> dict[str, Doc]:
+    """What each HTTP_ROUTE patch of one EnvoyFilter puts on a route, by the route's name
+    (the route it MERGEs into, or the one it inserts)."""
+    out = {}
+    for patch in envoyfilter["spec"]["configPatches"]:
+        if patch["applyTo"] == "HTTP_ROUTE":
+            value = patch["patch"]["value"]
+            name = value["name"] if patch["patch"]["operation"] == "INSERT_BEFORE" else \
+                patch["match"]["routeConfiguration"]["vhost"]["route"]["name"]
+            assert name not in out, f"two patches for route {name}"
+            out[name] = value
+    return out
 
 
 def seconds(duration: str) -> float:
@@ -147,11 +167,27 @@ def seconds(duration: str) -> float:
     return float(match.group(1)) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[match.group(2)]
 
 
-def shipped_ext_proc() -> Doc:
+def shipped_hcm() -> Doc:
+    """The HTTP connection manager of envoy/envoy.yaml, the tested local setup."""
     config = yaml.safe_load((ROOT / "envoy" / "envoy.yaml").read_text())
-    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    typed: dict[str, Any] = next(f for f in hcm["http_filters"] if f["name"] == EXT_PROC)["typed_config"]
+    hcm: Doc = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    return hcm
+
+
+def shipped_filter(name: str) -> Doc:
+    typed: Doc = next(f for f in shipped_hcm()["http_filters"] if f["name"] == name)["typed_config"]
     return typed
+
+
+def shipped_ext_proc() -> Doc:
+    return shipped_filter(EXT_PROC)
+
+
+def shipped_route(match: Doc) -> Doc:
+    """The per-filter configs of envoy/envoy.yaml's route with this match."""
+    [vhost] = shipped_hcm()["route_config"]["virtual_hosts"]
+    per_filter: Doc = next(r for r in vhost["routes"] if r["match"] == match)["typed_per_filter_config"]
+    return per_filter
 
 
 # --- building and schemas -------------------------------------------------------------------
@@ -685,17 +721,29 @@ def test_the_admin_port_stays_on_loopback(rendered: Rendered, name: str) -> None
 # --- EnvoyFilters -----------------------------------------------------------------------------
 
 
+def extproc_cluster(docs: list[Doc]) -> str:
+    """Istio's outbound cluster for the extproc Service's gRPC port (ext_proc and the rate
+    limit service alike)."""
+    service = one(docs, "Service", "extproc")
+    port = next(p["port"] for p in service["spec"]["ports"] if p["targetPort"] == "grpc")
+    return f"outbound|{port}||extproc.{service['metadata']['namespace']}.svc.cluster.local"
+
+
+def envoyfilters(rendered: Rendered) -> dict[tuple[str, str], Doc]:
+    """Every EnvoyFilter shipped (in any composition), by namespace and name."""
+    return {(f["metadata"]["namespace"], f["metadata"]["name"]): f
+            for name in ALL for f in of_kind(rendered[name], "EnvoyFilter")}
+
+
 def test_envoyfilters_cover_gateway_and_sidecar_with_the_shipped_ext_proc_config(
         rendered: Rendered, tmp_path: Path) -> None:
     contexts = set()
     expected = shipped_ext_proc()
     for name in WIRED:
         docs = rendered[name]
-        service = one(docs, "Service", "extproc")
-        port = next(p["port"] for p in service["spec"]["ports"] if p["targetPort"] == "grpc")
-        cluster = f"outbound|{port}||extproc.{service['metadata']['namespace']}.svc.cluster.local"
+        cluster = extproc_cluster(docs)
         _, policy = policy_of(docs, tmp_path)
-        patches = ext_proc_patches(docs)
+        patches = filter_patches(docs, EXT_PROC)
         assert patches, f"{name}: no ext_proc EnvoyFilter"
         for context, value in patches:
             contexts.add(context)
@@ -710,8 +758,141 @@ def test_envoyfilters_cover_gateway_and_sidecar_with_the_shipped_ext_proc_config
         for patch in f["spec"]["configPatches"]:
             if patch["applyTo"] == "HTTP_FILTER":
                 assert patch["patch"]["operation"] == "INSERT_BEFORE"
-                assert patch["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"] == \
-                    "envoy.filters.http.router"
+                assert patch["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"] == ROUTER
+
+
+def test_envoyfilters_carry_the_shipped_ratelimit_filter_failing_open(rendered: Rendered) -> None:
+    expected = shipped_filter(RATELIMIT)
+    shipped_cluster = expected["rate_limit_service"]["grpc_service"]["envoy_grpc"]["cluster_name"]
+    contexts = set()
+    for name in WIRED:
+        docs = rendered[name]
+        patches = filter_patches(docs, RATELIMIT)
+        assert patches, f"{name}: no ratelimit filter in its EnvoyFilters"
+        for context, value in patches:
+            contexts.add(context)
+            typed = copy.deepcopy(value["typed_config"])
+            grpc = typed["rate_limit_service"]["grpc_service"]["envoy_grpc"]
+            # extproc's one gRPC port serves the rate limit service too: ext_proc's cluster.
+            assert grpc["cluster_name"] == extproc_cluster(docs), name
+            grpc["cluster_name"] = shipped_cluster
+            assert typed == expected, f"{name}: ratelimit filter config drifted from envoy/envoy.yaml"
+            # Fail open, and said so rather than left to the default: ext_proc behind it still
+            # decides every request, so a slow or absent rate limit service costs only the shed.
+            assert value["typed_config"]["failure_mode_deny"] is False, name
+    assert contexts == {"GATEWAY", "SIDECAR_INBOUND"}
+
+
+def test_the_edge_shed_runs_before_ext_proc(rendered: Rendered) -> None:
+    filters = envoyfilters(rendered)
+    assert len(filters) >= 2
+    for (_, name), envoyfilter in filters.items():
+        patches = [p for p in envoyfilter["spec"]["configPatches"] if p["applyTo"] == "HTTP_FILTER"]
+        # Istio inserts INSERT_BEFORE patches in the order listed: the ratelimit patch comes first.
+        assert [p["patch"]["value"]["name"] for p in patches] == [RATELIMIT, EXT_PROC], name
+        shed, admit = patches
+        assert shed["match"] == admit["match"], f"{name}: the two filters must land on the same listeners"
+        assert shed["patch"]["operation"] == admit["patch"]["operation"] == "INSERT_BEFORE"
+        # Applied the way Istio applies them, the chain is envoy/envoy.yaml's.
+        chain = [f["name"] for f in bootstrap_hcm(envoy_bootstrap(envoyfilter))["http_filters"]]
+        assert chain == [RATELIMIT, EXT_PROC, ROUTER] == [f["name"] for f in shipped_hcm()["http_filters"]]
+
+
+def ratelimit_problems(docs: list[Doc], policy: Policy) -> list[str]:
+    """Where the EnvoyFilters' edge shed disagrees with ``policy``: a domain or a descriptor
+    extproc does not judge (answered OK, so nothing is ever shed), or a trusted header the rate
+    limit service is not sent (it would classify requests unlike ext_proc)."""
+    config, problems = policy.ratelimit, []
+    for envoyfilter in of_kind(docs, "EnvoyFilter"):
+        where = envoyfilter["metadata"]["name"]
+        for patch in envoyfilter["spec"]["configPatches"]:
+            value = patch["patch"]["value"]
+            if patch["applyTo"] == "HTTP_FILTER" and value["name"] == RATELIMIT:
+                domain = value["typed_config"].get("domain")
+                if domain != config.domain:
+                    problems.append(f"{where}: domain {domain!r}, but the policy's ratelimit.domain "
+                                    f"is {config.domain!r}")
+        for route, value in route_patches(envoyfilter).items():
+            per_route = value.get("typed_per_filter_config", {}).get(RATELIMIT, {})
+            for i, limit in enumerate(per_route.get("rate_limits", [])):
+                at = f"{where}: route {route}: rate_limits[{i}]"
+                actions = limit["actions"]
+                keys = [a["generic_key"]["descriptor_value"] for a in actions if "generic_key" in a]
+                on_done = limit.get("apply_on_stream_done", False)
+                wanted = config.usage_descriptor if on_done else config.request_descriptor
+                if keys != [wanted]:
+                    problems.append(f"{at}: generic_key {keys}, the policy expects [{wanted!r}]")
+                if on_done:
+                    continue
+                sent = {(a["request_headers"]["header_name"], a["request_headers"]["descriptor_key"])
+                        for a in actions if "request_headers" in a}
+                for header, key in [(":method", "method"), (":path", "path"),
+                                    *((h, h) for h in policy.trusted_headers)]:
+                    if (header, key) not in sent:
+                        problems.append(f"{at}: {header} is not sent as {key!r}")
+    return problems
+
+
+@pytest.mark.parametrize("name", WIRED)
+def test_the_edge_shed_asks_for_the_policys_domain_and_descriptors(
+        rendered: Rendered, name: str, tmp_path: Path) -> None:
+    docs = rendered[name]
+    path, policy = policy_of(docs, tmp_path)
+    written = (yaml.safe_load(path.read_text()) or {}).get("ratelimit") or {}
+    if "domain" not in written:
+        assert policy.ratelimit.domain == "extproc"  # what the EnvoyFilters then must say
+    assert filter_patches(docs, RATELIMIT)
+    assert not ratelimit_problems(docs, policy), name
+
+
+def test_the_edge_shed_check_follows_the_policy(rendered: Rendered) -> None:
+    """The check above is not vacuous: each way a policy can part from the EnvoyFilters is caught,
+    and a policy without a ratelimit key agrees with them (its domain is "extproc")."""
+    docs = rendered["gateway"]
+    shipped = yaml.safe_load(one(docs, "ConfigMap", "extproc-policy")["data"]["policy.yaml"])
+    assert "ratelimit" in shipped, "the base policy names its domain (the seed scenario's does not)"
+
+    def problems(**changes: Any) -> list[str]:
+        doc = {key: value for key, value in shipped.items() if key != "ratelimit"}
+        return ratelimit_problems(docs, Policy.model_validate({**doc, **changes}))
+
+    assert problems() == []
+    assert problems(ratelimit={"mode": "shadow"}) == []
+    assert problems(trusted_headers=["x-tenant-id"]) == []
+    [domain] = problems(ratelimit={"domain": "gpu"})
+    assert "domain 'extproc', but the policy's ratelimit.domain is 'gpu'" in domain
+    [request] = problems(ratelimit={"request_descriptor": "arrivals"})
+    assert "rate_limits[0]: generic_key ['gpu_inference']" in request
+    [usage] = problems(ratelimit={"usage_descriptor": "tokens"})
+    assert "rate_limits[1]: generic_key ['gpu_inference_tokens']" in usage
+    [header] = problems(trusted_headers=["x-team"])
+    assert "x-team is not sent as 'x-team'" in header
+
+
+def test_health_routes_skip_both_filters_and_inference_routes_are_shed_and_never_time_out(
+        rendered: Rendered) -> None:
+    health = shipped_route({"path": "/health"})
+    shed = shipped_route({"prefix": "/"})
+    assert set(health) == {RATELIMIT, EXT_PROC}
+    assert set(shed) == {RATELIMIT}
+    docs = rendered["gateway"]
+    routes = {r["name"]: r for r in one(docs, "VirtualService", "inference")["spec"]["http"]}
+    patched = route_patches(one(docs, "EnvoyFilter"))
+    # As in envoy/envoy.yaml: the inference route carries the descriptors, health turns both off.
+    assert {name: value["typed_per_filter_config"] for name, value in patched.items()} == \
+        {"health": health, "inference": shed}
+    assert set(patched) <= set(routes)
+    assert routes["health"]["match"][0]["uri"]["exact"] == "/health"
+    inference = routes["inference"]
+    assert inference["timeout"] == "0s"
+    assert not re.search(r"5xx|gateway-error|retriable-status", inference["retries"]["retryOn"])
+    # The sidecar overlay adds its own /health route before Istio's inbound catch-all, which
+    # carries the descriptors.
+    patched = route_patches(one(rendered["sidecar"], "EnvoyFilter"))
+    assert set(patched) == {"extproc-health-bypass", "default"}
+    assert patched["extproc-health-bypass"]["match"] == {"path": "/health"}
+    assert patched["extproc-health-bypass"]["typed_per_filter_config"] == health
+    assert patched["default"] == {"typed_per_filter_config": shed}
 
 
 def _static_cluster(name: str, port: int, *, http2: bool = False) -> Doc:
@@ -737,12 +918,24 @@ def _merge(into: dict[str, Any], value: dict[str, Any]) -> None:
             into[key] = copy.deepcopy(item)
 
 
+def _grpc_clusters(config: Any) -> list[str]:
+    """Every cluster an ``envoy_grpc`` service in a filter config names, wherever it sits
+    (ext_proc's ``grpc_service``, the ratelimit filter's ``rate_limit_service.grpc_service``)."""
+    if isinstance(config, list):
+        return [name for item in config for name in _grpc_clusters(item)]
+    if not isinstance(config, dict):
+        return []
+    own = [config["envoy_grpc"]["cluster_name"]] if "envoy_grpc" in config else []
+    nested = (item for key, item in config.items() if key != "envoy_grpc")
+    return own + [name for item in nested for name in _grpc_clusters(item)]
+
+
 def envoy_bootstrap(envoyfilter: dict[str, Any]) -> Doc:
     """A minimal bootstrap with every patch of one EnvoyFilter applied the way Istio would."""
     http_filters: list[Doc] = []
     hcm: dict[str, Any] = {"@type": HCM, "stat_prefix": "test"}
     routes: list[Doc] = [{"name": "default", "match": {"prefix": "/"},
-                                     "route": {"cluster": "backend", "timeout": "0s"}}]
+                          "route": {"cluster": "backend", "timeout": "0s"}}]
     clusters = {"backend": _static_cluster("backend", 8000)}
     for patch in envoyfilter["spec"]["configPatches"]:
         apply_to, operation = patch["applyTo"], patch["patch"]["operation"]
@@ -750,48 +943,64 @@ def envoy_bootstrap(envoyfilter: dict[str, Any]) -> Doc:
         if apply_to == "HTTP_FILTER":
             assert operation == "INSERT_BEFORE"
             http_filters.append(value)
-            grpc = value["typed_config"].get("grpc_service", {}).get("envoy_grpc", {})
-            if grpc:
-                clusters[grpc["cluster_name"]] = _static_cluster(grpc["cluster_name"], 50051, http2=True)
+            for name in _grpc_clusters(value["typed_config"]):
+                clusters[name] = _static_cluster(name, 50051, http2=True)
         elif apply_to == "NETWORK_FILTER":
             assert operation == "MERGE"
             assert value["typed_config"]["@type"] == HCM
             _merge(hcm, value["typed_config"])
         elif apply_to == "HTTP_ROUTE":
             target = patch["match"]["routeConfiguration"]["vhost"]["route"]["name"]
+            existing = [r for r in routes if r["name"] == target]
             if operation == "MERGE":
-                route = {"name": target, "match": {"path": f"/{target}"}, "route": {"cluster": "backend"}}
-                _merge(route, value)
-                routes.insert(0, route)
+                if existing:
+                    _merge(existing[0], value)
+                else:
+                    route = {"name": target, "match": {"path": f"/{target}"}, "route": {"cluster": "backend"}}
+                    _merge(route, value)
+                    routes.insert(0, route)
             else:
                 assert operation == "INSERT_BEFORE"
-                index = next(i for i, r in enumerate(routes) if r["name"] == target)
-                routes.insert(index, value)
+                routes.insert(routes.index(existing[0]), value)
                 cluster = value["route"]["cluster"]
                 clusters.setdefault(cluster, _static_cluster(cluster, 8000))
         else:
             pytest.fail(f"no Envoy check for applyTo {apply_to}: extend envoy_bootstrap")
-    hcm["http_filters"] = [*http_filters, {"name": "envoy.filters.http.router", "typed_config": {
+    hcm["http_filters"] = [*http_filters, {"name": ROUTER, "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]
     hcm["route_config"] = {"name": "test",
                            "virtual_hosts": [{"name": "test", "domains": ["*"], "routes": routes}]}
-    local = lambda: {"socket_address": {"address": "127.0.0.1", "port_value": free_port()}}  # noqa: E731
+    def local() -> Doc:
+        return {"socket_address": {"address": "127.0.0.1", "port_value": free_port()}}
+
     listener = {"name": "test", "address": local(), "filter_chains": [{"filters": [
         {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}]}
     return {"admin": {"address": local()},
             "static_resources": {"listeners": [listener], "clusters": list(clusters.values())}}
 
 
+def bootstrap_hcm(bootstrap: Doc) -> Doc:
+    hcm: Doc = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    return hcm
+
+
 @pytest.mark.envoy
 def test_every_envoyfilter_patch_validates_with_the_real_envoy(
         rendered: Rendered, tmp_path: Path) -> None:
-    filters = {(f["metadata"]["namespace"], f["metadata"]["name"]): f
-               for name in ALL for f in of_kind(rendered[name], "EnvoyFilter")}
+    filters = envoyfilters(rendered)
     assert len(filters) >= 2
     running = []
     for (namespace, name), envoyfilter in filters.items():
+        bootstrap = envoy_bootstrap(envoyfilter)
+        # What is validated includes the edge shed: its filter and the descriptors on a route.
+        hcm = bootstrap_hcm(bootstrap)
+        assert {RATELIMIT, EXT_PROC} <= {f["name"] for f in hcm["http_filters"]}
+        per_route = [r.get("typed_per_filter_config", {}).get(RATELIMIT, {})
+                     for r in hcm["route_config"]["virtual_hosts"][0]["routes"]]
+        assert any(c.get("rate_limits") for c in per_route), name
+        assert any(c.get("disabled") for c in per_route), name
         path = tmp_path / f"{namespace}-{name}.yaml"
-        path.write_text(yaml.safe_dump(envoy_bootstrap(envoyfilter)))
+        path.write_text(yaml.safe_dump(bootstrap))
         running.append((name, path, subprocess.Popen(
             [envoy_binary(), "--mode", "validate", "-c", str(path), "--log-level", "warn"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
@@ -801,38 +1010,41 @@ def test_every_envoyfilter_patch_validates_with_the_real_envoy(
         assert "OK" in output, output
 
 
-def test_envoy_check_rejects_a_broken_patch(rendered: Rendered, tmp_path: Path) -> None:
-    """The Envoy check above can fail: a misspelled enum in the patch is refused."""
-    envoyfilter = copy.deepcopy(one(rendered["gateway"], "EnvoyFilter"))
+def _break_ext_proc(envoyfilter: Doc) -> str:
     for patch in envoyfilter["spec"]["configPatches"]:
-        if patch["applyTo"] == "HTTP_FILTER":
+        if patch["applyTo"] == "HTTP_FILTER" and patch["patch"]["value"]["name"] == EXT_PROC:
             patch["patch"]["value"]["typed_config"]["processing_mode"]["response_trailer_mode"] = "SENT"
+    return "SENT"
+
+
+def _break_ratelimit_filter(envoyfilter: Doc) -> str:
+    for patch in envoyfilter["spec"]["configPatches"]:
+        if patch["applyTo"] == "HTTP_FILTER" and patch["patch"]["value"]["name"] == RATELIMIT:
+            patch["patch"]["value"]["typed_config"]["enable_x_ratelimit_headers"] = "DRAFT_VERSION_3"
+    return "DRAFT_VERSION_3"
+
+
+def _break_descriptors(envoyfilter: Doc) -> str:
+    for value in route_patches(envoyfilter).values():
+        for limit in value["typed_per_filter_config"].get(RATELIMIT, {}).get("rate_limits", []):
+            limit["apply_on_stream_end"] = limit.pop("apply_on_stream_done", False)
+    return "apply_on_stream_end"
+
+
+@pytest.mark.envoy
+@pytest.mark.parametrize("overlay", ["gateway", "sidecar"])
+@pytest.mark.parametrize("breakage", [_break_ext_proc, _break_ratelimit_filter, _break_descriptors],
+                         ids=["ext_proc enum", "ratelimit enum", "descriptor field"])
+def test_envoy_check_rejects_a_broken_patch(
+        rendered: Rendered, tmp_path: Path, overlay: str, breakage: Callable[[Doc], str]) -> None:
+    """The Envoy check above can fail: a misspelt enum or field in any patch is refused."""
+    envoyfilter = copy.deepcopy(one(rendered[overlay], "EnvoyFilter"))
+    culprit = breakage(envoyfilter)
     path = tmp_path / "broken.yaml"
     path.write_text(yaml.safe_dump(envoy_bootstrap(envoyfilter)))
     result = run([envoy_binary(), "--mode", "validate", "-c", str(path), "--log-level", "warn"])
     assert result.returncode != 0
-
-
-def test_health_routes_skip_ext_proc_and_inference_routes_never_time_out(
-        rendered: Rendered) -> None:
-    docs = rendered["gateway"]
-    routes = {r["name"]: r for r in one(docs, "VirtualService", "inference")["spec"]["http"]}
-    opted_out = set()
-    for patch in one(docs, "EnvoyFilter")["spec"]["configPatches"]:
-        if patch["applyTo"] == "HTTP_ROUTE":
-            assert patch["patch"]["value"]["typed_per_filter_config"][EXT_PROC]["disabled"] is True
-            opted_out.add(patch["match"]["routeConfiguration"]["vhost"]["route"]["name"])
-    assert opted_out == {"health"}
-    assert opted_out <= set(routes)
-    assert routes["health"]["match"][0]["uri"]["exact"] == "/health"
-    inference = routes["inference"]
-    assert inference["timeout"] == "0s"
-    assert not re.search(r"5xx|gateway-error|retriable-status", inference["retries"]["retryOn"])
-    # The sidecar overlay adds its own /health route before Istio's inbound catch-all.
-    [route] = [p["patch"]["value"] for p in one(rendered["sidecar"], "EnvoyFilter")["spec"]["configPatches"]
-               if p["applyTo"] == "HTTP_ROUTE"]
-    assert route["match"] == {"path": "/health"}
-    assert route["typed_per_filter_config"][EXT_PROC]["disabled"] is True
+    assert culprit in result.stdout + result.stderr
 
 
 # --- policies ---------------------------------------------------------------------------------
