@@ -32,6 +32,7 @@ from extproc.servers.ratelimit import ControllerPressure, RateLimitMetrics, Rate
 from extproc.servers.ratelimit import add_to_server as add_ratelimit_service
 from extproc.settings import Settings
 from extproc.signals.hub import SaturationCollector, SignalHub
+from extproc.state import open_ledger
 
 log = structlog.get_logger("extproc")
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -55,7 +56,15 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
     registry = CollectorRegistry()
     metrics = Metrics(registry)
     rng = random.Random(settings.seed) if settings.seed is not None else None
-    controller = Controller(policy, metrics, rng=rng)
+    ledger = None
+    if settings.store and not settings.store.startswith("memory:"):
+        try:
+            ledger = open_ledger(settings.store, prefix=settings.store_prefix,
+                                 fail_open=settings.store_fail_open, ttl=settings.store_ttl_s)
+        except ValueError as exc:
+            raise StartupError(f"cannot use the store {settings.store!r}: {exc}") from None
+        await ledger.start()
+    controller = Controller(policy, metrics, rng=rng, ledger=ledger)
     processor = ExternalProcessor(controller)
     controller.on_reconfigure.append(lambda _: processor.reconfigure())
     registry.register(SaturationCollector(controller.saturation, controller.now))
@@ -80,7 +89,8 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
     ext_proc_grpc.add_ExternalProcessorServicer_to_server(processor, server)
     edge_metrics = RateLimitMetrics(registry, metrics.saturation_rejections)
     ratelimit = RateLimitService(ControllerPressure(controller), edge_metrics,
-                                 lambda: controller.policy.ratelimit, rng=rng)
+                                 lambda: controller.policy.ratelimit, rng=rng,
+                                 permit_retry=controller.permit_retry)
     add_ratelimit_service(ratelimit, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -94,6 +104,10 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
     def ready() -> tuple[bool, str]:
         if controller.scheduler.draining:
             return False, "draining"
+        view = controller.view
+        if view is not None and view.degraded:
+            # Still ready: the fallback keeps deciding (within this replica's share, or refusing).
+            return True, f"serving; shared store unreachable ({view.reason}), local fallback"
         return True, "serving"
 
     runner = web.AppRunner(http.build_app(registry, ready), access_log=None)
@@ -140,6 +154,8 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
         await server.stop(grace=1.0)
         await hub.stop()
         await controller.stop()
+        if ledger is not None:
+            await ledger.close()
         if watcher is not None:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):

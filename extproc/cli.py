@@ -59,7 +59,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return EXIT_STARTUP
     settings = Settings(policy=args.policy, grpc=args.grpc, http=args.http, log_format=args.log_format,
                         log_level=args.log_level, shutdown_grace_s=args.shutdown_grace, seed=args.seed,
-                        admin=args.admin, admin_token=token, watch_interval_s=args.watch_interval)
+                        admin=args.admin, admin_token=token, watch_interval_s=args.watch_interval,
+                        store=args.store or None, store_fail_open=args.store_fail == "open",
+                        store_ttl_s=args.store_ttl, store_prefix=args.store_prefix)
     try:
         asyncio.run(app.serve(settings, policy))
     except app.StartupError as exc:
@@ -136,6 +138,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--watch-interval", type=float, default=float(env("WATCH_INTERVAL", "1")),
                        metavar="SECONDS", help="how often the policy file is checked for changes (0: only on "
                        "SIGHUP or POST /admin/reload; default %(default)s)")
+    serve.add_argument("--store", default=env("STORE", ""), metavar="URL",
+                       help="shared store so replicas enforce one set of limits: redis://HOST:PORT/DB, "
+                       "rediss://…, redis+sentinel://HOST:PORT/SERVICE (env EXTPROC_STORE; default: this "
+                       "replica alone)")
+    serve.add_argument("--store-fail", choices=["open", "closed"], default=env("STORE_FAIL", "open"),
+                       help="while the store is unreachable: admit within this replica's share of the "
+                       "limits (open) or admit nothing (closed) (env EXTPROC_STORE_FAIL; "
+                       "default %(default)s)")
+    serve.add_argument("--store-ttl", type=float, default=float(env("STORE_TTL", "15")), metavar="SECONDS",
+                       help="lease lifetime: how long a dead replica's slots stay taken "
+                       "(default %(default)s)")
+    serve.add_argument("--store-prefix", default=env("STORE_PREFIX", "extproc"),
+                       help="key prefix in the store (several deployments may share one Redis)")
     serve.add_argument("--seed", type=int, default=None, help="seed Retry-After jitter (tests)")
     serve.set_defaults(func=_cmd_serve)
 

@@ -14,7 +14,8 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping
+from typing import Any
 
 import structlog
 
@@ -26,13 +27,14 @@ from extproc.core.retry_budget import RetryBudget
 from extproc.core.saturation import Effect, Reading, Saturation
 from extproc.metrics import Metrics
 from extproc.policy.schema import Policy
+from extproc.state import GlobalView, LaneLimits, Ledger, Limits
 
 log = structlog.get_logger("extproc")
 
 
 class Controller:
     def __init__(self, policy: Policy, metrics: Metrics, *, clock: Callable[[], float] = time.monotonic,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, ledger: Ledger | None = None) -> None:
         self.scheduler = Scheduler(policy, rng)
         self.metrics = metrics
         #: The current time in seconds: the clock itself, not a method wrapping it (read several
@@ -52,7 +54,18 @@ class Controller:
         self.saturation = Saturation(policy.signals)
         #: Retries may only be a share of admitted originals (checked in ``submit``).
         self.retry_budget = RetryBudget.of(policy.retry_budget)
-        metrics.watch(self.lanes, lambda: self.scheduler.draining)
+        #: The shared slot ledger when several replicas enforce one set of limits (None: alone).
+        self.ledger = ledger
+        self._limits = Limits.of(policy)
+        self._leased: dict[int, Ticket] = {}
+        self._lease_tasks: set[asyncio.Task[None]] = set()
+        self._sync_wake = asyncio.Event()
+        self._sync_task: asyncio.Task[None] | None = None
+        self._freed: set[str] = set()
+        #: Converts scheduler ranks (this clock) to epoch seconds, comparable across replicas.
+        self._epoch_offset = time.time() - clock()
+        self.view: GlobalView | None = None
+        metrics.watch(self.lanes, lambda: self.scheduler.draining, lambda: self.view)
 
     @property
     def policy(self) -> Policy:
@@ -64,15 +77,22 @@ class Controller:
     # -- lifecycle --------------------------------------------------------------------
 
     def start(self) -> None:
+        loop = asyncio.get_running_loop()
         if self._timer is None:
-            self._timer = asyncio.get_running_loop().create_task(self._run_timers(), name="extproc-timers")
+            self._timer = loop.create_task(self._run_timers(), name="extproc-timers")
+        if self.ledger is not None and self._sync_task is None:
+            self.ledger.on_freed(self._on_freed)
+            self._sync_task = loop.create_task(self._sync(), name="extproc-ledger-sync")
 
     async def stop(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._timer
-            self._timer = None
+        for task in (self._timer, self._sync_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._timer = self._sync_task = None
+        if self._lease_tasks:
+            await asyncio.gather(*self._lease_tasks, return_exceptions=True)
 
     def drain(self) -> None:
         """Stop admitting; queued requests are answered at once (503 draining)."""
@@ -111,6 +131,7 @@ class Controller:
     def reconfigure(self, policy: Policy) -> None:
         """Swap in a new policy at once; queued work it lets start is admitted."""
         self._settle(self.scheduler.reconfigure(policy, self.now()))
+        self._limits = self._limits_now()
         self.retry_budget.reconfigure(policy.retry_budget)
         # Rules may have been added, removed or retargeted: re-derive every lane's effect.
         self.saturation.reconfigure(policy.signals)
@@ -138,9 +159,12 @@ class Controller:
         """Decide a new request; ``retry``: its client says it is a retry (it spends retry budget)."""
         now = self.now()
         if retry and self.policy.retry_budget.enabled and not self.retry_budget.try_withdraw(now):
-            decision = self.scheduler.refuse(lane, tenant, job, Reason.RETRY_BUDGET, now)
-            self._record(decision)
-            return decision
+            if not self.scheduler.shadowed(lane):
+                decision = self.scheduler.refuse(lane, tenant, job, Reason.RETRY_BUDGET, now)
+                self._record(decision)
+                return decision
+            # Shadow mode: counted as what enforcing would have done, then decided as usual.
+            self.metrics.shadow_of(lane, Outcome.REJECTED.value, Reason.RETRY_BUDGET.value).inc()
         decision, evicted = self.scheduler.submit(lane, tenant, job, now, retry=retry)
         self._record(decision)
         if decision.outcome is Outcome.QUEUED:
@@ -151,13 +175,27 @@ class Controller:
             self._update_idle()
         return decision
 
+    def permit_retry(self) -> bool:
+        """A rejection may tell its client to retry: reserve that retry in the budget, if there is room.
+
+        False: the budget has no room, and the rejection should say ``x-should-retry: false``
+        (clients that obey it save an attempt that would be refused anyway).
+        """
+        return not self.policy.retry_budget.enabled or self.retry_budget.reserve(self.now())
+
     async def wait(self, ticket: Ticket) -> Decision:
         """Wait until a queued ticket is admitted or rejected."""
         future = self._waiters[ticket.id]
-        return await asyncio.shield(future)
+        try:
+            return await asyncio.shield(future)
+        finally:
+            # Kept until now (not dropped when answered): the answer may come before the wait.
+            if self._waiters.get(ticket.id) is future:
+                del self._waiters[ticket.id]
 
     def release(self, ticket: Ticket, *, learn: bool = True) -> None:
         """Idempotent end of a request, however it ended."""
+        self._waiters.pop(ticket.id, None)
         if ticket.state is State.DONE:
             return
         was_inflight = ticket.state is State.INFLIGHT
@@ -166,14 +204,129 @@ class Controller:
             self.metrics.service_time_of(ticket.lane).observe(now - ticket.admitted_at)
         elif ticket.state is State.QUEUED:
             self.metrics.decisions_of(ticket.lane, Outcome.CANCELLED.value).inc()
-            self._waiters.pop(ticket.id, None)
         self._settle(self.scheduler.release(ticket, now, learn=learn))
+        if self._leased.pop(ticket.id, None) is not None:
+            self._spawn(self._give_back(ticket))
+        if self.ledger is not None:
+            self._sync_wake.set()
         if self._idle is not None:
             self._update_idle()
+
+    # -- several replicas: the shared slot ledger -------------------------------------------------
+
+    async def confirm(self, decision: Decision) -> Decision:
+        """Take the admitted request's slot in the shared ledger, or put it back in its queue.
+
+        Alone (no ledger) this returns ``decision`` as it is. With one, the scheduler's
+        admission was made on counts as last seen; the ledger checks the cluster-wide limits
+        atomically. Refused, the request goes back to its place in the queue (answered QUEUED:
+        wait again) and its lane waits until a slot frees somewhere.
+        """
+        ledger = self.ledger
+        if ledger is None or decision.outcome is not Outcome.ADMITTED:
+            return decision
+        ticket = decision.ticket
+        if decision.shadow is not None or self.scheduler.shadowed(ticket.lane):
+            # Shadow lanes observe only: they never wait for the ledger, nor take its slots.
+            self._record_now(decision)
+            return decision
+        rank = self.scheduler.rank(ticket) + self._epoch_offset
+        verdict = await ledger.acquire(ticket.lane, self._lease(ticket), self._limits, rank)
+        if ticket.state is not State.INFLIGHT:
+            # The client left while the ledger answered: release() has run; give the slot back.
+            if verdict:
+                self._spawn(self._give_back(ticket))
+            return decision
+        if verdict:
+            self._leased[ticket.id] = ticket
+            self._record_now(decision)
+            return decision
+        self.metrics.ledger_refusals.labels(ticket.lane, verdict.value).inc()
+        requeued = self.scheduler.requeue(ticket, self.now())
+        self._waiters[ticket.id] = asyncio.get_running_loop().create_future()
+        self._sync_wake.set()
+        self._wake.set()
+        return requeued
+
+    def _lease(self, ticket: Ticket) -> str:
+        assert self.ledger is not None
+        return f"{self.ledger.replica}:{ticket.id}"
+
+    def _limits_now(self) -> Limits:
+        retired = [LaneLimits(name, view.limit or view.inflight) for name, view in self.lanes().items()
+                   if view.retired]
+        return Limits.of(self.policy, retired)
+
+    async def _give_back(self, ticket: Ticket) -> None:
+        assert self.ledger is not None
+        try:
+            await self.ledger.release(ticket.lane, self._lease(ticket))
+        except Exception:
+            # The lease's TTL frees the slot anyway; a release must never fail a request.
+            log.warning("could not release a slot in the shared store; its lease will expire",
+                        lane=ticket.lane, exc_info=True)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._lease_tasks.add(task)
+        task.add_done_callback(self._lease_tasks.discard)
+
+    def _on_freed(self, lane: str) -> None:
+        self._freed.add(lane)
+        self._sync_wake.set()
+
+    async def _sync(self, interval: float = 0.2) -> None:
+        """Publish this replica's queues and read the cluster's counts, on changes and every ``interval``."""
+        ledger = self.ledger
+        assert ledger is not None
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._sync_wake.wait(), interval)
+            self._sync_wake.clear()
+            try:
+                await self._sync_once(ledger)
+            except Exception:
+                log.warning("shared store sync failed", exc_info=True)
+                await asyncio.sleep(interval)
+
+    async def _sync_once(self, ledger: Ledger) -> None:
+        scheduler = self.scheduler
+        views = scheduler.snapshot(self.now())
+        queued = {name: view.queued for name, view in views.items()}
+        heads = {name: rank + self._epoch_offset for name, rank in scheduler.heads().items()}
+        tenants = {name: dict(view.tenants) for name, view in views.items() if view.tenants}
+        await ledger.publish_queue(queued, heads, tenants)
+        view = await ledger.view()
+        self.view = view
+        mine: dict[str, int] = {}
+        for ticket in self._leased.values():
+            mine[ticket.lane] = mine.get(ticket.lane, 0) + 1
+        if view.degraded:
+            others_inflight: dict[str, int] = {}
+            others_queued: dict[str, int] = {}
+        else:
+            others_inflight = {lane: n - mine.get(lane, 0) for lane, n in view.inflight.items()}
+            # Queue counts are read after publishing ours: the rest is the other replicas'.
+            views = scheduler.snapshot(self.now())
+            others_queued = {lane: n - (views[lane].queued if lane in views else 0)
+                             for lane, n in view.queued.items()}
+        now = self.now()
+        freed, self._freed = self._freed, set()
+        self._settle(scheduler.set_others(others_inflight, others_queued, now))
+        if freed or scheduler.blocked:
+            # A slot freed somewhere (or the periodic sync: the ledger's view is fresh) —
+            # lanes refused before may try again.
+            self._settle(scheduler.unblock(now))
+        self._update_idle()
 
     # -- internals --------------------------------------------------------------------
 
     def _record(self, decision: Decision) -> None:
+        if decision.outcome is Outcome.ADMITTED and self.ledger is not None:
+            return  # recorded once the ledger granted its slot (confirm)
+        self._record_now(decision)
+
+    def _record_now(self, decision: Decision) -> None:
         ticket = decision.ticket
         lane = ticket.lane
         metrics = self.metrics
@@ -199,7 +352,7 @@ class Controller:
     def _settle(self, decisions: Iterable[Decision]) -> None:
         for decision in decisions:
             self._record(decision)
-            future = self._waiters.pop(decision.ticket.id, None)
+            future = self._waiters.get(decision.ticket.id)
             if future is not None and not future.done():
                 future.set_result(decision)
 

@@ -16,6 +16,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from extproc.core.admission import LaneView
+from extproc.state import GlobalView
 
 #: Resolves both sub-second waits and multi-second ones up to the longest hold.
 WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
@@ -48,9 +49,11 @@ class Children(Generic[_M]):
 
 
 class _StateCollector(Collector):
-    def __init__(self, lanes: Callable[[], Mapping[str, LaneView]], draining: Callable[[], bool]) -> None:
+    def __init__(self, lanes: Callable[[], Mapping[str, LaneView]], draining: Callable[[], bool],
+                 cluster: Callable[[], GlobalView | None] | None = None) -> None:
         self._lanes = lanes
         self._draining = draining
+        self._cluster = cluster
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         pending = GaugeMetricFamily(
@@ -83,6 +86,28 @@ class _StateCollector(Collector):
             "extproc_draining", "1 while this replica is shutting down and admits nothing.",
             value=1.0 if self._draining() else 0.0,
         )
+        shared = self._cluster() if self._cluster is not None else None
+        if shared is not None:
+            cluster_inflight = GaugeMetricFamily(
+                "extproc_cluster_inflight_requests", "Slots held per lane by every replica sharing the "
+                "store, as this replica last read them.", labels=["lane"],
+            )
+            cluster_pending = GaugeMetricFamily(
+                "extproc_cluster_pending_requests", "Requests queued per lane on every live replica sharing "
+                "the store, as this replica last read them.", labels=["lane"],
+            )
+            for lane, n in sorted(shared.inflight.items()):
+                cluster_inflight.add_metric([lane], n)
+            for lane, n in sorted(shared.queued.items()):
+                cluster_pending.add_metric([lane], n)
+            yield from (cluster_inflight, cluster_pending)
+            yield GaugeMetricFamily("extproc_cluster_replicas", "Live replicas sharing the store.",
+                                    value=shared.replicas)
+            yield GaugeMetricFamily(
+                "extproc_store_degraded", "1 while the shared store is unreachable and this replica "
+                "decides alone (within its share of the limits, or refusing).",
+                value=1.0 if shared.degraded else 0.0,
+            )
 
 
 class Metrics:
@@ -107,6 +132,11 @@ class Metrics:
         self.saturation_rejections = Counter(
             "extproc_saturation_rejections", "Requests shed because a cluster signal says the backend is "
             "saturated, by lane, saturation rule and signal.", ["lane", "rule", "signal"], registry=registry,
+        )
+        self.ledger_refusals = Counter(
+            "extproc_ledger_refusals", "Admissions the shared store refused (the request went back to its "
+            "queue), by lane and why: the cluster-wide counts were higher than this replica had seen, or "
+            "another replica's waiting request was better placed.", ["lane", "verdict"], registry=registry,
         )
         self.shadow = Counter(
             "extproc_shadow_decisions", "Requests a shadow-mode lane admitted that enforcing would have "
@@ -149,5 +179,6 @@ class Metrics:
                     out.setdefault(sample.labels["lane"], {})[sample.labels["reason"]] = int(sample.value)
         return out
 
-    def watch(self, lanes: Callable[[], Mapping[str, LaneView]], draining: Callable[[], bool]) -> None:
-        self.registry.register(_StateCollector(lanes, draining))
+    def watch(self, lanes: Callable[[], Mapping[str, LaneView]], draining: Callable[[], bool],
+              cluster: Callable[[], GlobalView | None] | None = None) -> None:
+        self.registry.register(_StateCollector(lanes, draining, cluster))

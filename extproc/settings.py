@@ -37,6 +37,14 @@ class Settings:
     admin_token: str | None = None
     watch_interval_s: float = 1.0
     """How often the policy file is checked for changes; 0: only on SIGHUP or the admin endpoint."""
+    store: str | None = None
+    """Shared store URL (redis://, rediss://, redis+sentinel://): replicas enforce one set of limits.
+    None or memory://: this replica alone."""
+    store_fail_open: bool = True
+    """While the store is unreachable: admit within this replica's share of the limits (open) or refuse."""
+    store_ttl_s: float = 15.0
+    """Lease lifetime: how long a dead replica's slots stay taken."""
+    store_prefix: str = "extproc"
 
     @property
     def admin_exposed(self) -> bool:

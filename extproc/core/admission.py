@@ -125,6 +125,12 @@ class Scheduler:
         self._retired: set[str] = set()
         self._effects: dict[str, Effect] = {}
         self._limits: dict[str, int] = {}
+        # Shared store (several replicas): what the other replicas hold and queue, per lane, as
+        # last seen; and lanes the store just refused, not admissible until a slot frees anywhere.
+        self._others_inflight: dict[str, int] = {}
+        self._others_queued: dict[str, int] = {}
+        self._others_total = 0
+        self.blocked: set[str] = set()
         self.reclaimed = 0
         self.reconfigure(policy)
 
@@ -150,6 +156,7 @@ class Scheduler:
         self._capacity = policy.total_capacity
         self.estimator.reconfigure(policy.estimation)
         self.paused &= set(lanes)
+        self.blocked &= set(lanes)
         for name in list(self._inflight):
             if name not in lanes:
                 del self._inflight[name]
@@ -197,6 +204,64 @@ class Scheduler:
         config = self._lanes.get(lane)
         return self.policy.shadow or (config is not None and config.shadow)
 
+    # -- several replicas ---------------------------------------------------------
+
+    def set_others(self, inflight: Mapping[str, int], queued: Mapping[str, int], now: float
+                   ) -> list[Decision]:
+        """What the other replicas hold and queue per lane (from the shared store); admits what fits."""
+        self._others_inflight = {lane: n for lane, n in inflight.items() if n > 0}
+        self._others_queued = {lane: n for lane, n in queued.items() if n > 0}
+        self._others_total = sum(self._others_inflight.values())
+        return self._dispatch(now)
+
+    def unblock(self, now: float, lanes: set[str] | None = None) -> list[Decision]:
+        """Slots may have freed somewhere: refused lanes may try again."""
+        if lanes is None:
+            self.blocked.clear()
+        else:
+            self.blocked -= lanes
+        return self._dispatch(now)
+
+    def requeue(self, ticket: Ticket, now: float) -> Decision:
+        """An admitted request the shared store refused a slot: back to its place in the queue.
+
+        Its lane takes nothing more until ``unblock`` (a slot freed somewhere), so the refusal
+        cannot turn into a loop of grants and refusals.
+        """
+        assert ticket.state is State.INFLIGHT
+        if self._inflight[ticket.lane].pop(ticket.id, None) is not None:
+            self._n_inflight -= 1
+        ticket.state = State.QUEUED
+        ticket.admitted_at = None
+        # A fresh entry at the same rank: the old one may still sit, withdrawn, in the queue's heap.
+        ticket.entry = Entry(ticket.id, ticket.tenant, ticket.arrival, ticket.deadline, ticket.predicted,
+                             self.rank(ticket))
+        self._queues[ticket.lane].push(ticket.entry)
+        self._tickets_by_entry[ticket.id] = ticket
+        heapq.heappush(self._deadlines, (ticket.deadline, ticket.id, ticket))
+        self.blocked.add(ticket.lane)
+        return Decision(Outcome.QUEUED, ticket)
+
+    def rank(self, ticket: Ticket) -> float:
+        """The ticket's place in its lane's order (smaller is better), queued or not."""
+        if ticket.entry is not None:
+            return ticket.entry.rank
+        lane = self._lanes.get(ticket.lane)
+        weight = self.policy.queueing.sjf_weight
+        if lane is not None and lane.sjf_weight is not None:
+            weight = lane.sjf_weight
+        return rank_of(ticket.arrival, ticket.deadline, ticket.predicted, weight)
+
+    def heads(self) -> dict[str, float]:
+        """Each lane's best-placed queued request's rank (lanes with nothing queued are absent)."""
+        out = {}
+        for name, queue in self._queues.items():
+            if queue and name not in self.paused:
+                best = queue.peek()
+                if best is not None:
+                    out[name] = best.rank
+        return out
+
     # -- operator actions ---------------------------------------------------------
 
     def pause(self, lane: str) -> None:
@@ -230,14 +295,24 @@ class Scheduler:
         return self.total_inflight / self._capacity
 
     def _within_quota(self, lane: Lane) -> bool:
-        return len(self._inflight[lane.name]) < self._limits[lane.name]
+        inflight = len(self._inflight[lane.name])
+        if self._others_total:
+            inflight += self._others_inflight.get(lane.name, 0)
+        return inflight < self._limits[lane.name]
 
     def _admissible(self, lane: Lane) -> bool:
-        """Whether one more request of ``lane`` may start now without breaking any limit."""
-        total = self.total_inflight
-        if total >= self._capacity or lane.closed or lane.name in self.paused:
+        """Whether one more request of ``lane`` may start now without breaking any limit.
+
+        With a shared store the counts include the other replicas' (as last seen); the store
+        makes the final, exact check when the request takes its slot.
+        """
+        others = self._others_total
+        total = self._n_inflight + others
+        if total >= self._capacity or lane.closed or lane.name in self.paused or lane.name in self.blocked:
             return False
         inflight = len(self._inflight[lane.name])
+        if others:
+            inflight += self._others_inflight.get(lane.name, 0)
         limit = self._limits[lane.name]
         if inflight < limit:
             return True
@@ -249,9 +324,11 @@ class Scheduler:
         for other in self._lanes.values():
             if other is lane:
                 continue
-            waiting = len(self._queues[other.name])
+            name = other.name
+            waiting = len(self._queues[name]) + self._others_queued.get(name, 0)
             if waiting:
-                owed += min(waiting, max(0, self._limits[other.name] - len(self._inflight[other.name])))
+                held = len(self._inflight[name]) + self._others_inflight.get(name, 0)
+                owed += min(waiting, max(0, self._limits[name] - held))
         return self._capacity - total - owed > 0
 
     def _estimated_wait(self, lane: Lane, rank: float, now: float) -> float:
@@ -451,6 +528,7 @@ class Scheduler:
         for name in [n for n in self._retired if not self._inflight[n] and not self._queues[n]]:
             self._retired.discard(name)
             self.paused.discard(name)
+            self.blocked.discard(name)
             del self._lanes[name], self._inflight[name], self._queues[name]
             self._order = [lane for lane in self._order if lane.name != name]
 

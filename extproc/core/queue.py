@@ -26,6 +26,7 @@ proportional to weights in predicted GPU-seconds, not in request counts.
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -51,13 +52,13 @@ def rank_of(arrival: float, deadline: float, predicted: float, sjf_weight: float
 @dataclass(slots=True)
 class _Tenant:
     vtime: float
-    heap: list[tuple[float, int, Entry]] = field(default_factory=list)
+    heap: list[tuple[float, int, int, Entry]] = field(default_factory=list)
     size: int = 0
 
     def head(self) -> Entry | None:
-        while self.heap and not self.heap[0][2].queued:
+        while self.heap and not self.heap[0][3].queued:
             heapq.heappop(self.heap)
-        return self.heap[0][2] if self.heap else None
+        return self.heap[0][3] if self.heap else None
 
 
 class LaneQueue:
@@ -65,6 +66,7 @@ class LaneQueue:
         self._weight = weight
         self._tenants: dict[str, _Tenant] = {}
         self._vtime = 0.0
+        self._seq = itertools.count()
         self._size = 0
         self._work = 0.0
 
@@ -82,7 +84,9 @@ class LaneQueue:
             tenant = self._tenants[entry.tenant] = _Tenant(vtime=self._vtime)
         elif tenant.size == 0:
             tenant.vtime = max(tenant.vtime, self._vtime)
-        heapq.heappush(tenant.heap, (entry.rank, entry.id, entry))
+        # The sequence number keeps entries apart that share rank and id: a request put back in the
+        # queue (its withdrawn entry may still lie in the heap) comes back under its old id.
+        heapq.heappush(tenant.heap, (entry.rank, entry.id, next(self._seq), entry))
         tenant.size += 1
         self._size += 1
         self._work += entry.predicted
@@ -135,7 +139,7 @@ class LaneQueue:
 
     def entries(self) -> Iterator[Entry]:
         for tenant in self._tenants.values():
-            for _, _, entry in tenant.heap:
+            for _, _, _, entry in tenant.heap:
                 if entry.queued:
                     yield entry
 
@@ -156,7 +160,7 @@ class LaneQueue:
                 hog, most = other, other.size / self._weight(name)
         if hog is None:
             return None
-        return max((e for _, _, e in hog.heap if e.queued), key=lambda e: (e.rank, e.id))
+        return max((e for _, _, _, e in hog.heap if e.queued), key=lambda e: (e.rank, e.id))
 
     def worst(self) -> Entry | None:
         """The entry with the worst rank: the one to evict first."""

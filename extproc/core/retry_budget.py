@@ -22,6 +22,7 @@ Pure: every call takes ``now``; no I/O.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Mapping
 
 from extproc.policy.ratelimit import RetryBudget as RetryBudgetPolicy
@@ -59,6 +60,8 @@ class RetryBudget:
         self._withdrawals = [0] * SLOTS
         #: Index (in slot widths since time 0) of the newest slot in the ring.
         self._head: int | None = None
+        #: When each outstanding reservation was made (oldest first).
+        self._reserved: deque[float] = deque()
 
     @classmethod
     def of(cls, policy: RetryBudgetPolicy) -> RetryBudget:
@@ -76,8 +79,29 @@ class RetryBudget:
         """An original request was admitted."""
         self._deposits[self._advance(now)] += 1
 
+    def reserve(self, now: float) -> bool:
+        """A rejection is about to tell its client it may retry: set one retry aside, if there is room.
+
+        The retry is counted now (a withdrawal) and, when it arrives, spends the reservation
+        instead of the budget, so a client told "retry" is not refused later because other
+        retries took the room meanwhile. Reservations lapse with the window. False: no room,
+        and the rejection should tell the client not to retry.
+        """
+        slot = self._advance(now)
+        if self._balance() < 1.0:
+            return False
+        self._withdrawals[slot] += 1
+        self._reserved.append(now)
+        return True
+
     def try_withdraw(self, now: float) -> bool:
         """A retry asks to go through: True (and counted) if the budget allows one more."""
+        reserved = self._reserved
+        while reserved and reserved[0] <= now - self.window_s:
+            reserved.popleft()
+        if reserved:
+            reserved.popleft()
+            return True
         slot = self._advance(now)
         if self._balance() < 1.0:
             return False

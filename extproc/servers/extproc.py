@@ -264,8 +264,9 @@ class _Request:
             signal = effect.signal
             headers.append(_header("x-extproc-signal", effect.signal or ""))
             headers.append(_header("x-extproc-rule", effect.shed_by or ""))
-        if reason in _NO_RETRY:
-            # The OpenAI SDKs obey this: an immediate retry would meet the same answer.
+        if reason in _NO_RETRY or not self.p.controller.permit_retry():
+            # The OpenAI SDKs obey this: an immediate retry would meet the same answer, or the
+            # retry budget has no room for it (telling the client saves it the attempt).
             headers.append(_header("x-should-retry", "false"))
         return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
             status=HttpStatus(code=reason.http_status),
@@ -350,6 +351,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         # One flat async generator per stream: every message passes through here, and each level
         # of nested async generators would add its own resume/suspend cost to every message.
         request = _Request(self)
+        controller = self.controller
         aborted = True
         try:
             async for message in request_iterator:
@@ -362,9 +364,19 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     response = _passthrough(kind)
                 if response is None:
                     decision = request.decide()
-                    if decision.outcome is Outcome.QUEUED:
-                        yield request.hold(decision)
-                        decision = await self.controller.wait(decision.ticket)
+                    held = False
+                    while True:
+                        if decision.outcome is Outcome.QUEUED:
+                            if not held:
+                                yield request.hold(decision)
+                                held = True
+                            decision = await controller.wait(decision.ticket)
+                        if decision.outcome is Outcome.ADMITTED and controller.ledger is not None:
+                            # Several replicas: the shared ledger has the last word on the slot.
+                            decision = await controller.confirm(decision)
+                            if decision.outcome is Outcome.QUEUED:
+                                continue
+                        break
                     response = request.answer(decision, kind)
                 yield response
             aborted = False

@@ -380,8 +380,12 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
     """
 
     def __init__(self, pressure: Pressure, metrics: RateLimitMetrics, config: Callable[[], RateLimit], *,
-                 clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None,
+                 permit_retry: Callable[[], bool] | None = None) -> None:
         self.pressure = pressure
+        #: Reserves a retry in ext_proc's retry budget for a shed that lets its client retry;
+        #: False (no room) makes the shed say x-should-retry: false.
+        self.permit_retry = permit_retry
         self.metrics = metrics
         self.config = config
         self.now = clock
@@ -547,7 +551,8 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
                 headers.append(("x-extproc-rule", pressure.shed_by))
                 if self.metrics.saturation is not None:
                     self.metrics.saturation.labels(worst.lane, pressure.shed_by, signal or "").inc()
-        if not all(j.retry_helps for j in shed):
+        retry_helps = all(j.retry_helps for j in shed)
+        if not retry_helps or (self.permit_retry is not None and not self.permit_retry()):
             headers.append(("x-should-retry", "false"))
         response.response_headers_to_add.extend(HeaderValue(key=k, value=v) for k, v in headers)
         response.raw_body = error_body(reason, worst.lane, wait, signal)

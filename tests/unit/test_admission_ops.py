@@ -202,3 +202,43 @@ def test_shadow_mode_only_counts_saturation_shedding() -> None:
     decision = submit(s, "a", 0.0)
     assert (decision.outcome, decision.shadow, decision.reason) == (
         Outcome.ADMITTED, Outcome.REJECTED, Reason.SATURATED)
+
+
+def test_other_replicas_counts_take_slots_and_owed_places() -> None:
+    s = scheduler(make_policy([lane("a", 2), lane("b", 2, borrow=True)], capacity={"max_inflight": 4}))
+    assert s.set_others({"a": 1}, {}, 0.0) == []
+    assert submit(s, "a", 0.0).outcome is Outcome.ADMITTED
+    # One held elsewhere, one here: a is at its limit of 2 cluster-wide.
+    assert submit(s, "a", 0.0).outcome is Outcome.QUEUED
+    # b may borrow a free slot, unless other replicas have queued work owed it.
+    s.set_others({"a": 1}, {"a": 5}, 0.0)
+    submit(s, "b", 0.0)
+    submit(s, "b", 0.0)
+    assert submit(s, "b", 0.0).outcome is Outcome.QUEUED
+    # The other replica's request ended: the queued a request starts here.
+    (started,) = admitted(s.set_others({}, {}, 1.0))
+    assert started.lane == "a"
+
+
+def test_a_refused_request_goes_back_to_its_place_and_its_lane_waits_for_a_wake_up() -> None:
+    s = scheduler(make_policy([lane("a", 2)]))
+    first = submit(s, "a", 0.0).ticket
+    later = submit(s, "a", 0.5)
+    assert later.outcome is Outcome.ADMITTED
+    requeued = s.requeue(first, 1.0)
+    assert (requeued.outcome, first.state, first.admitted_at) == (Outcome.QUEUED, State.QUEUED, None)
+    assert s.snapshot(1.0)["a"].queued == 1
+    assert "a" in s.blocked
+    # A slot frees locally, but the lane is blocked until the store says a slot freed.
+    assert s.release(later.ticket, 2.0) == []
+    assert s.heads() == {"a": s.rank(first)}
+    assert admitted(s.unblock(2.5, {"a"})) == [first]
+    assert s.heads() == {}
+
+
+def test_a_requeued_request_still_expires_at_its_deadline() -> None:
+    s = scheduler(make_policy([lane("a", 1, deadline="5s")]))
+    ticket = submit(s, "a", 0.0, seconds=0.1).ticket
+    s.requeue(ticket, 1.0)
+    (expired,) = s.expire(6.0)
+    assert (expired.ticket, expired.reason) == (ticket, Reason.DEADLINE_EXPIRED)

@@ -187,3 +187,25 @@ def test_policy_refuses_bad_values(data: dict[str, object], field: str) -> None:
     with pytest.raises(ValidationError) as info:
         RetryBudgetPolicy.model_validate(data)
     assert info.value.errors()[0]["loc"][0] == field
+
+
+def test_reserved_retries_are_let_through_and_never_exceed_the_budget() -> None:
+    budget = RetryBudget(ratio=0.0, min_per_second=0.2, window_s=10.0)  # room for 2 retries
+    assert budget.reserve(0.0)
+    assert budget.reserve(0.1)
+    # No room left: the next rejection must tell its client not to retry.
+    assert not budget.reserve(0.2)
+    # The two clients told to retry come back (retries are not told apart: any pays with any
+    # reservation); a third retry finds neither a reservation nor room.
+    assert budget.try_withdraw(1.0)
+    assert budget.try_withdraw(1.5)
+    assert not budget.try_withdraw(1.6)
+
+
+def test_reservations_lapse_with_the_window() -> None:
+    budget = RetryBudget(ratio=0.0, min_per_second=0.1, window_s=10.0)  # room for 1 retry
+    assert budget.reserve(0.0)
+    # Never used: after the window it pays for nothing, and the room it took is back.
+    assert budget.balance(20.0) >= 1
+    assert budget.try_withdraw(20.0)
+    assert not budget.try_withdraw(20.1)

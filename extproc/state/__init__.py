@@ -1,0 +1,270 @@
+"""The slot ledger: who holds which slot, and how much is queued where, across replicas.
+
+How this works: every replica keeps its own queues and ordering (the scheduler in
+``extproc.core.admission``); what replicas must share is the *ledger*. Right before a
+replica lets a request start it asks the ledger for a slot (``acquire``); the ledger grants
+it only if the lane's and the whole capacity's limits, counted over every replica, still
+allow it — the same rule as the local scheduler, with the queued counts of all replicas —
+and if no other live replica has a better-placed request waiting in that lane (by more than
+a tolerance). A granted slot is a *lease*: it expires after a TTL unless the holder renews
+it, so a replica that dies frees its slots on its own. ``release`` ends a lease and wakes
+every replica (``on_freed``), which then retries its best waiting request.
+
+Replicas also publish a queue summary (queued count and best rank per lane, per-tenant
+counts) with a short TTL of its own, so a dead replica's queue soon stops counting.
+
+Implementations: :class:`~extproc.state.memory.MemoryLedger` (one process; the default),
+:class:`~extproc.state.redis.RedisLedger` (shared through Redis, atomic Lua scripts) and
+:class:`~extproc.state.fallback.FallbackLedger` (Redis first, a local share of the limits
+while Redis is unreachable). :func:`open_ledger` picks one from a store URL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from extproc.policy.schema import Policy
+
+#: Default lease lifetime (seconds): how long a dead replica's slots stay taken.
+LEASE_TTL = 15.0
+#: Default lifetime (seconds) of a replica's queue summary and liveness mark.
+QUEUE_TTL = 3.0
+#: Default rank tolerance (seconds): how much better another replica's waiting request must be
+#: before it blocks a grant. Ranks are epoch seconds from each replica's own clock, so this
+#: covers clock skew between replicas (NTP keeps it to milliseconds); ``bench/redis_overhead.py``
+#: measures what looser values cost in global order.
+RANK_TOLERANCE = 0.01
+
+
+class Verdict(Enum):
+    """What ``acquire`` answers. Only ``GRANTED`` is true, so ``if await ledger.acquire(...)`` reads well."""
+
+    GRANTED = "granted"
+    CAPACITY = "capacity"
+    """All ``capacity`` slots are taken."""
+    LANE_FULL = "lane_full"
+    """The lane is at its ``max_inflight`` and may not borrow."""
+    BORROW_LIMIT = "borrow_limit"
+    """The lane already borrows ``max_borrow`` slots."""
+    OWED = "owed"
+    """Every free slot is owed to other lanes that have queued work (anywhere in the cluster)."""
+    OUTRANKED = "outranked"
+    """Other replicas have better-placed waiting requests for every slot this one could take."""
+    UNAVAILABLE = "unavailable"
+    """The shared store is unreachable and the ledger fails closed."""
+
+    def __bool__(self) -> bool:
+        return self is Verdict.GRANTED
+
+
+class LedgerUnavailable(Exception):
+    """The shared store could not be reached (or answered with an error) in time."""
+
+
+@dataclass(frozen=True, slots=True)
+class LaneLimits:
+    name: str
+    max_inflight: int
+    borrow: bool = False
+    max_borrow: int | None = None
+    """Cap on borrowed slots (None: as many as are free and not owed)."""
+
+
+def _part(total: int, position: int, replicas: int) -> int:
+    """``position``'s part when ``total`` is split between ``replicas``: the parts add up to ``total``."""
+    return total // replicas + (1 if position < total % replicas else 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The limits a grant must respect, from the policy."""
+
+    lanes: tuple[LaneLimits, ...]
+    capacity: int
+
+    def __post_init__(self) -> None:
+        names = [lane.name for lane in self.lanes]
+        if len(set(names)) != len(names):
+            raise ValueError(f"lane names repeat: {names}")
+        if self.capacity < 0 or any(lane.max_inflight < 0 for lane in self.lanes):
+            raise ValueError("limits must not be negative")
+
+    @classmethod
+    def of(cls, policy: Policy, retired: Iterable[LaneLimits] = ()) -> Limits:
+        """The policy's limits, plus lanes a reload removed that still finish their work."""
+        lanes = tuple(LaneLimits(lane.name, lane.max_inflight, lane.borrow, lane.max_borrow)
+                      for lane in policy.lanes)
+        return cls(lanes + tuple(retired), policy.total_capacity)
+
+    def lane(self, name: str) -> LaneLimits:
+        for lane in self.lanes:
+            if lane.name == name:
+                return lane
+        raise KeyError(name)
+
+    def share(self, position: int, replicas: int) -> Limits:
+        """This replica's part of every limit when ``replicas`` split them without talking.
+
+        Remainders go to different positions for different lanes, so each limit's parts add
+        up to the limit exactly (a lane whose limit is smaller than the number of replicas is
+        served by only some of them).
+        """
+        if replicas <= 1:
+            return self
+        lanes = tuple(
+            LaneLimits(
+                lane.name,
+                _part(lane.max_inflight, (position + i) % replicas, replicas),
+                lane.borrow,
+                None if lane.max_borrow is None
+                else _part(lane.max_borrow, (position + i) % replicas, replicas),
+            )
+            for i, lane in enumerate(self.lanes)
+        )
+        return Limits(lanes, _part(self.capacity, position, replicas))
+
+    def check(self, lane: str, inflight: Mapping[str, int], queued: Mapping[str, int]
+              ) -> tuple[Verdict, int]:
+        """Whether one more request of ``lane`` may start, and how many could (0 unless granted).
+
+        The rule of ``Scheduler._admissible``, over counts the caller supplies (the whole
+        cluster's, or this replica's alone): under quota and a slot free; or, for a lane
+        that may borrow (within ``max_borrow``), a slot free that no other lane with queued
+        work is owed. The Lua script ``acquire.lua`` implements the same rule; the contract
+        tests hold both to it.
+        """
+        config = self.lane(lane)
+        total = sum(inflight.get(other.name, 0) for other in self.lanes)
+        if total >= self.capacity:
+            return Verdict.CAPACITY, 0
+        mine = inflight.get(lane, 0)
+        if mine < config.max_inflight:
+            return Verdict.GRANTED, min(config.max_inflight - mine, self.capacity - total)
+        if not config.borrow:
+            return Verdict.LANE_FULL, 0
+        if config.max_borrow is not None and mine >= config.max_inflight + config.max_borrow:
+            return Verdict.BORROW_LIMIT, 0
+        owed = 0
+        for other in self.lanes:
+            waiting = queued.get(other.name, 0)
+            if other.name != lane and waiting:
+                owed += min(waiting, max(0, other.max_inflight - inflight.get(other.name, 0)))
+        free = self.capacity - total - owed
+        if free <= 0:
+            return Verdict.OWED, 0
+        if config.max_borrow is not None:
+            free = min(free, config.max_inflight + config.max_borrow - mine)
+        return Verdict.GRANTED, free
+
+
+def outranked(rank: float | None, heads: Iterable[float], tolerance: float, free: int) -> bool:
+    """Whether other replicas' best waiting requests (``heads``) should have the ``free`` slots first.
+
+    Each replica whose head ranks better than ``rank - tolerance`` claims at least one slot;
+    only when they could claim all of them is the request refused. Refusing on fewer would
+    leave slots idle that nobody better is waiting for.
+    """
+    if rank is None:
+        return False
+    bar = rank - tolerance
+    return sum(1 for head in heads if head < bar) >= free
+
+
+@dataclass(frozen=True)
+class GlobalView:
+    """The cluster as one replica last saw it."""
+
+    inflight: Mapping[str, int]
+    """Leases held per lane, over every replica."""
+    queued: Mapping[str, int]
+    """Queued requests per lane, over every live replica."""
+    heads: Mapping[str, float]
+    """Best rank waiting per lane, over every live replica (lanes with nothing queued are absent)."""
+    tenants: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    """Queued requests per lane and tenant, over every live replica."""
+    replicas: int = 1
+    """Live replicas (those that renewed their liveness mark within the queue TTL)."""
+    degraded: bool = False
+    """The shared store is unreachable: counts are this replica's alone."""
+    reason: str | None = None
+
+
+FreedCallback = Callable[[str], None]
+
+
+class Ledger(Protocol):
+    """The port the controller uses; see the module docstring."""
+
+    @property
+    def replica(self) -> str:
+        """Unique per process start, so a restarted replica never reuses its predecessor's leases."""
+        ...
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None:
+        """Stop renewing; give back every lease still held and withdraw the queue summary."""
+        ...
+
+    async def acquire(self, lane: str, lease: str, limits: Limits, rank: float | None = None) -> Verdict:
+        """Take one slot of ``lane`` for ``lease`` (atomically checked against ``limits``).
+
+        Acquiring a lease already held renews it and grants again (it never counts twice).
+        ``rank`` (the queue's rank: epoch seconds, smaller is better) enables the global-order
+        check. Raises ``KeyError`` for a lane ``limits`` does not have.
+        """
+        ...
+
+    async def release(self, lane: str, lease: str) -> None:
+        """End a lease (idempotent) and wake every replica."""
+        ...
+
+    async def publish_queue(self, queued: Mapping[str, int], heads: Mapping[str, float | None],
+                            tenants: Mapping[str, Mapping[str, int]] | None = None) -> None:
+        """Replace this replica's queue summary.
+
+        Publish only heads this replica will try to admit when woken (not a paused lane's):
+        a head blocks other replicas' grants in its lane.
+        """
+        ...
+
+    async def view(self) -> GlobalView: ...
+
+    def on_freed(self, callback: FreedCallback) -> None:
+        """Call ``callback(lane)`` on the event loop whenever a slot of ``lane`` may have freed."""
+        ...
+
+
+def summary_changes(before: tuple[Mapping[str, int], Mapping[str, float | None]],
+                    after: tuple[Mapping[str, int], Mapping[str, float | None]]) -> list[str]:
+    """Lanes where a new queue summary may let another replica in: fewer queued, or a worse head."""
+    (queued0, heads0), (queued1, heads1) = before, after
+    lanes = []
+    for lane in sorted(set(queued0) | set(heads0)):
+        head0, head1 = heads0.get(lane), heads1.get(lane)
+        worse_head = head0 is not None and (head1 is None or head1 > head0)
+        if worse_head or queued1.get(lane, 0) < queued0.get(lane, 0):
+            lanes.append(lane)
+    return lanes
+
+
+def open_ledger(store: str | None = None, *, prefix: str = "extproc", fail_open: bool = True,
+                ttl: float = LEASE_TTL, timeout: float = 0.05) -> Ledger:
+    """The ledger a store URL names: none or ``memory://`` → in-process; ``redis://`` and friends → Redis.
+
+    A Redis ledger comes wrapped in the outage fallback (``fail_open``: admit within this
+    replica's share of the limits while Redis is unreachable; otherwise refuse).
+    """
+    from extproc.state.memory import MemoryLedger
+
+    if not store or store.startswith("memory:"):
+        return MemoryLedger(ttl=ttl)
+    from extproc.state.fallback import FailMode, FallbackLedger
+    from extproc.state.redis import RedisLedger
+
+    primary = RedisLedger(store, prefix=prefix, ttl=ttl, timeout=timeout)
+    return FallbackLedger(primary, mode=FailMode.OPEN if fail_open else FailMode.CLOSED)
