@@ -5,13 +5,18 @@ Every check uses the real tool: ``kubectl kustomize`` builds each kustomization,
 (strictly: unknown fields are errors), a real Envoy validates every EnvoyFilter patch (the
 ratelimit and ext_proc filters, the edge shed's route descriptors and opt-outs, applied in
 the order Istio applies them), ``extproc policy check`` the policy in each ConfigMap,
-``promtool`` the alert rules (and unit-tests them on synthetic series), a real
-``redis-server`` the Redis arguments, and a real extproc's ``/metrics`` every metric name
-used by alerts, KEDA and the dashboard. The EnvoyFilters' filters and descriptors equal
-envoy/envoy.yaml's (the tested local setup); the edge shed runs before ext_proc, fails
-open, and asks for the domain and descriptors of the policy in the ConfigMap. A real
-extproc started with the Deployment's flags follows its policy ConfigMap through updates
-made the way the kubelet makes them (hot reload, no rollout).
+``promtool`` the alert rules (and unit-tests them on synthetic series), and a real extproc's
+``/metrics`` every metric name used by alerts, KEDA and the dashboard. The EnvoyFilters'
+filters and descriptors equal envoy/envoy.yaml's (the tested local setup); the edge shed
+runs before ext_proc, fails open, and asks for the domain and descriptors of the policy in
+the ConfigMap. A real extproc started with the Deployment's flags follows its policy
+ConfigMap through updates made the way the kubelet makes them (hot reload, no rollout).
+
+The Redis component points extproc at its own Service (the URL is derived from the rendered
+Service), frees the autoscaler only where the replicas share limits, and is reachable from
+extproc and nothing else; a real ``redis-server`` started with its arguments serves a real
+extproc started with the Deployment's store settings, which keeps deciding (degraded, still
+ready) when Redis dies.
 
 The seed scenario's cluster signals are checked the same way: every PromQL query parses
 (``promtool``) and answers the one number it should on synthetic series (``promtool test
@@ -29,7 +34,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -42,6 +46,7 @@ from typing import Any
 import httpx
 import kubernetes_validate
 import pytest
+import redis
 import yaml
 
 from extproc.localstack import ROOT, Stack, envoy_binary, free_port, wait_http
@@ -62,10 +67,14 @@ WITH_COMPONENTS = {
     "gateway+redis": ("gateway", ["redis"]),
     "sidecar+sidecar-scope": ("sidecar", ["sidecar-scope"]),
     "seed-scenario+signals-egress": ("seed-scenario", ["signals-egress"]),
+    # Everything at once: the shared store where egress is restricted.
+    "seed-scenario+redis+signals-egress": ("seed-scenario", ["redis", "signals-egress"]),
 }
 ALL = [*SHIPPED, *WITH_COMPONENTS]
 #: Compositions that wire extproc into the mesh (EnvoyFilters, a policy ConfigMap of their own).
 WIRED = [name for name in ALL if name != "base"]
+#: Compositions that include the shared store (components/redis).
+WITH_REDIS = [name for name, (_, components) in WITH_COMPONENTS.items() if "redis" in components]
 #: The oldest Kubernetes the manifests claim, and the newest kubernetes-validate knows.
 K8S_VERSIONS = ["1.29.0", kubernetes_validate.latest_version()]
 #: API groups whose kinds are CRDs (no schema in kubernetes-validate): parsed and checked here.
@@ -448,8 +457,15 @@ def test_destination_rule_never_caps_held_streams(rendered: Rendered,
         assert pool["http"].get("maxRequestsPerConnection", 0) == 0
 
 
-def test_autoscaling_and_disruption_budget_fit_the_deployment(rendered: Rendered) -> None:
-    docs = rendered["base"]
+@pytest.fixture(scope="module")
+def serve_help() -> str:
+    return run([sys.executable, "-m", "extproc", "serve", "--help"]).stdout
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_autoscaling_and_disruption_budget_fit_the_deployment(
+        rendered: Rendered, serve_help: str, name: str) -> None:
+    docs = rendered[name]
     deployment = one(docs, "Deployment", "extproc")
     pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
     hpa, pdb = one(docs, "HorizontalPodAutoscaler", "extproc"), one(docs, "PodDisruptionBudget", "extproc")
@@ -457,12 +473,17 @@ def test_autoscaling_and_disruption_budget_fit_the_deployment(rendered: Rendered
     assert "replicas" not in deployment["spec"], "the HPA owns the replica count"
     assert hpa["spec"]["minReplicas"] >= 2 > pdb["spec"]["maxUnavailable"]
     assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
-    # Without a shared store each replica enforces the limits alone: more replicas = more capacity.
-    help_text = run([sys.executable, "-m", "extproc", "serve", "--help"]).stdout
-    if "--store" not in help_text:
+    # argparse reads only the variables it was told to: an env name serve does not know
+    # would leave the component's store setting silently unused.
+    assert {"--store", "EXTPROC_STORE;", "EXTPROC_STORE_FAIL;"} <= set(serve_help.split()), serve_help
+    if store_of(docs) is None:
+        # Without a shared store each replica enforces the limits alone: more replicas = more capacity.
         assert hpa["spec"]["maxReplicas"] == hpa["spec"]["minReplicas"], (
-            "limits are per replica until the shared store exists: autoscaling extproc would "
+            f"{name}: limits are per replica without a shared store: autoscaling extproc would "
             "multiply admitted capacity")
+    else:
+        assert hpa["spec"]["maxReplicas"] > hpa["spec"]["minReplicas"], (
+            f"{name}: the replicas share one set of limits: let the HPA add decision throughput")
 
 
 def test_network_policies_admit_the_proxies_and_the_scrapers(rendered: Rendered) -> None:
@@ -485,8 +506,9 @@ def test_network_policies_admit_the_proxies_and_the_scrapers(rendered: Rendered)
 # NetworkPolicies add up: a pod selected by no policy with an Egress type may connect
 # anywhere; once one selects it, only what some rule of some such policy allows gets out.
 # These helpers read the rules the way Kubernetes does, but prove only what the manifests
-# show: a destination pod's labels and port names are unknown here, so a rule that needs
-# them (a non-empty podSelector, a named port) proves nothing.
+# show: a destination pod's labels are unknown unless the manifests render that pod (the
+# Redis of components/redis), and its port names always are, so a rule that needs them (a
+# non-empty podSelector of an unknown pod, a named port) proves nothing.
 
 
 @dataclass(frozen=True)
@@ -499,6 +521,8 @@ class Destination:
     ip: str | None
     port: int
     protocol: str = "TCP"
+    labels: tuple[tuple[str, str], ...] | None = None
+    """The destination pod's labels, when the manifests render that pod."""
 
 
 #: Where a pod's DNS queries go: kube-dns pods in kube-system, or NodeLocal DNSCache's
@@ -573,7 +597,7 @@ def _peer_allows(peer: Doc, policy_namespace: str, to: Destination) -> bool:
         namespace_ok = selects(peer["namespaceSelector"], {"kubernetes.io/metadata.name": to.namespace})
     else:
         namespace_ok = to.namespace == policy_namespace
-    return namespace_ok and selects(peer.get("podSelector"), {})
+    return namespace_ok and selects(peer.get("podSelector"), dict(to.labels or ()))
 
 
 def egress_policies(docs: list[Doc]) -> list[Doc]:
@@ -1077,32 +1101,238 @@ def test_seed_scenario_lanes_match_kueue_and_keda_targets_the_model_server(
     assert any("inference_queue_wait_seconds_bucket" in query for query in queries)
 
 
-def test_redis_component_runs_with_a_real_redis_and_does_not_pretend(
-        rendered: Rendered, tmp_path: Path) -> None:
-    docs = rendered["gateway+redis"]
-    # The shared store does not exist yet: nothing may point extproc at Redis.
-    assert one(docs, "Deployment", "extproc") == one(rendered["gateway"], "Deployment", "extproc")
-    container = one(docs, "Deployment", "extproc-redis")["spec"]["template"]["spec"]["containers"][0]
-    assert container["args"][0] == "redis-server"
+# --- the shared store (components/redis) ------------------------------------------------------
+
+
+def env_of(deployment: Doc) -> dict[str, str]:
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    return {e["name"]: e["value"] for e in container.get("env", [])}
+
+
+def store_of(docs: list[Doc]) -> str | None:
+    """The store extproc is pointed at: its --store flag, else EXTPROC_STORE (what serve reads then)."""
+    _, deployment, _, args = policy_wiring(docs)
+    return args.get("store") or env_of(deployment).get("EXTPROC_STORE") or None
+
+
+def runs_redis(deployment: Doc) -> bool:
+    containers = deployment["spec"]["template"]["spec"]["containers"]
+    return any(c.get("args", [""])[0] == "redis-server" for c in containers)
+
+
+def redis_of(docs: list[Doc]) -> tuple[Doc, str, Destination]:
+    """The Redis Deployment, the URL that reaches it through its Service (cluster DNS name
+    and Service port), and where that connection lands as a NetworkPolicy sees it (the
+    pods' namespace, labels and the container port the Service's targetPort names)."""
+    [deployment] = [d for d in of_kind(docs, "Deployment") if runs_redis(d)]
+    pod = deployment["spec"]["template"]
+    [service] = [s for s in of_kind(docs, "Service")
+                 if s["spec"].get("selector") and selects({"matchLabels": s["spec"]["selector"]},
+                                                          pod["metadata"]["labels"])]
+    [port] = service["spec"]["ports"]
+    target = port.get("targetPort", port["port"])
+    [container] = pod["spec"]["containers"]
+    [pod_port] = [p["containerPort"] for p in container["ports"] if target in (p["name"], p["containerPort"])]
+    namespace = service["metadata"]["namespace"]
+    url = f"redis://{service['metadata']['name']}.{namespace}.svc.cluster.local:{port['port']}/0"
+    labels = tuple(sorted(pod["metadata"]["labels"].items()))
+    return deployment, url, Destination(f"Redis {url}", namespace, None, pod_port, labels=labels)
+
+
+def ingress_allows(docs: list[Doc], deployment: Doc, namespace: str, labels: dict[str, str],
+                   port: int) -> bool:
+    """May a pod (namespace, labels) open a TCP connection to ``port`` of this Deployment's pods?
+
+    An ipBlock counts as allowing: pod IPs are unknown here, so only a policy without one
+    proves that nobody else gets in.
+    """
+    pod = deployment["spec"]["template"]
+    own = deployment["metadata"]["namespace"]
+    named = {p["name"]: p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
+    policies = [p for p in of_kind(docs, "NetworkPolicy") if p["metadata"].get("namespace") == own
+                and selects(p["spec"]["podSelector"], pod["metadata"]["labels"])
+                and "Ingress" in policy_types(p)]
+    if not policies:
+        return True
+
+    def port_ok(rule_port: Doc) -> bool:
+        number = rule_port.get("port")
+        if rule_port.get("protocol", "TCP") != "TCP":
+            return False
+        if number is None:
+            return True
+        if isinstance(number, str):
+            return named.get(number) == port
+        return bool(number <= port <= (rule_port.get("endPort") or number))
+
+    def peer_ok(peer: Doc) -> bool:
+        if "ipBlock" in peer:
+            return True
+        if "namespaceSelector" in peer:
+            namespace_ok = selects(peer["namespaceSelector"], {"kubernetes.io/metadata.name": namespace})
+        else:
+            namespace_ok = namespace == own
+        return namespace_ok and selects(peer.get("podSelector"), labels)
+
+    return any((not rule.get("ports") or any(port_ok(p) for p in rule["ports"]))
+               and (not rule.get("from") or any(peer_ok(p) for p in rule["from"]))
+               for policy in policies for rule in policy["spec"].get("ingress") or [])
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_extproc_uses_the_components_redis_exactly_where_it_is_included(
+        rendered: Rendered, name: str) -> None:
+    docs = rendered[name]
+    store = store_of(docs)
+    if name not in WITH_REDIS:
+        assert store is None, f"{name}: a store without components/redis"
+        assert not [d for d in of_kind(docs, "Deployment") if runs_redis(d)]
+        return
+    _, url, _ = redis_of(docs)
+    assert store == url, f"{name}: extproc's store is not the component's Service"
+    deployment, base = one(docs, "Deployment", "extproc"), one(rendered["base"], "Deployment", "extproc")
+    env = env_of(deployment)
+    assert env["EXTPROC_STORE_FAIL"] == "open"
+    # The patch merges into the base's env and touches nothing else of the pod.
+    assert env.items() >= env_of(base).items()
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    [base_container] = base["spec"]["template"]["spec"]["containers"]
+    assert {k: v for k, v in container.items() if k != "env"} == \
+        {k: v for k, v in base_container.items() if k != "env"}
+
+
+def test_only_extproc_reaches_the_redis_and_its_egress_lets_it(rendered: Rendered) -> None:
+    assert WITH_REDIS
+    assert any(egress_policies(rendered[name]) for name in WITH_REDIS), \
+        "one composition restricts extproc's egress, so the egress check below is not vacuous"
+    for name in WITH_REDIS:
+        docs = rendered[name]
+        target, _, to = redis_of(docs)
+        extproc = one(docs, "Deployment", "extproc")
+        namespace = extproc["metadata"]["namespace"]
+        labels = extproc["spec"]["template"]["metadata"]["labels"]
+        assert egress_allows(docs, to), f"{name}: extproc's NetworkPolicies block its store"
+        assert all(egress_allows(docs, dns) for dns in DNS), f"{name}: the store's name cannot be resolved"
+        if egress_policies(docs):
+            cut = copy.deepcopy(docs)
+            for policy in egress_policies(cut):
+                policy["spec"]["egress"] = [r for r in policy["spec"]["egress"]
+                                            if not any(p.get("port") == to.port for p in r.get("ports", []))]
+            assert not egress_allows(cut, to), f"{name}: the check does not depend on the Redis rule"
+        assert ingress_allows(docs, target, namespace, labels, to.port), f"{name}: Redis refuses extproc"
+        assert not ingress_allows(docs, target, namespace, labels, to.port + 1)
+        others = {
+            "another pod of extproc's namespace": (namespace, {"app.kubernetes.io/name": "debug"}),
+            "the ingress gateway": ("istio-system", {"istio": "ingressgateway"}),
+            "a model server": ("inference", {"app.kubernetes.io/name": "model-server",
+                                             "extproc-admission": "enabled"}),
+            "a pod labelled like extproc elsewhere": ("default", labels),
+            "Prometheus": ("monitoring", {"app.kubernetes.io/name": "prometheus"}),
+        }
+        for who, (elsewhere, their_labels) in others.items():
+            assert not ingress_allows(docs, target, elsewhere, their_labels, to.port), \
+                f"{name}: {who} reaches Redis"
+
+
+def test_the_ingress_check_reads_policies_the_way_kubernetes_does(rendered: Rendered) -> None:
+    docs = copy.deepcopy(rendered["gateway+redis"])
+    target, _, to = redis_of(docs)
+    extproc = {"app.kubernetes.io/name": "extproc"}
+    other = {"app.kubernetes.io/name": "debug"}
+    policy = one(docs, "NetworkPolicy", "extproc-redis")
+    cases: list[tuple[list[Doc], str, dict[str, str], bool, str]] = [
+        ([{"from": [{"podSelector": {}}]}], "extproc", other, True, "every pod of the namespace"),
+        ([{"from": [{"podSelector": {}}]}], "default", other, False, "... of its own namespace only"),
+        ([{"ports": [{"port": to.port}]}], "default", other, True, "no `from`: anyone"),
+        ([{"from": [{"ipBlock": {"cidr": "10.0.0.0/8"}}]}], "default", other, True, "an ipBlock: any pod"),
+        ([{"from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": extproc}}]}],
+         "default", extproc, True, "extproc's labels in any namespace"),
+        ([{"from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": extproc}}]}],
+         "default", other, False, "other labels"),
+        ([{"from": [{"podSelector": {"matchLabels": extproc}}], "ports": [{"port": "redis"}]}],
+         "extproc", extproc, True, "a named port of a rendered pod resolves"),
+        ([{"from": [{"podSelector": {"matchLabels": extproc}}], "ports": [{"port": "nope"}]}],
+         "extproc", extproc, False, "an unknown port name opens nothing"),
+        ([{"ports": [{"port": to.port, "protocol": "UDP"}]}], "extproc", extproc, False, "UDP"),
+        ([], "extproc", extproc, False, "selected, nothing allowed"),
+    ]
+    for ingress, namespace, labels, expected, why in cases:
+        policy["spec"]["ingress"] = ingress
+        assert ingress_allows(docs, target, namespace, labels, to.port) is expected, why
+    docs.remove(policy)
+    assert ingress_allows(docs, target, "default", other, to.port), "selected by no policy: open to all"
+
+
+def start_component_redis(docs: list[Doc], workdir: Path) -> tuple[subprocess.Popen[bytes], redis.Redis]:
+    """A real redis-server with the component's arguments, on this machine's loopback."""
+    [container] = redis_of(docs)[0]["spec"]["template"]["spec"]["containers"]
     port = free_port()
     process = subprocess.Popen([tool("redis-server"), *container["args"][1:], "--port", str(port),
-                                "--bind", "127.0.0.1", "--dir", str(tmp_path)],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                "--bind", "127.0.0.1", "--dir", str(workdir),
+                                "--logfile", str(workdir / "redis.log")],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(port=port, socket_timeout=2, decode_responses=True)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.ping()
+            return process, client
+        except redis.ConnectionError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                pytest.fail(f"redis-server did not start: {(workdir / 'redis.log').read_text()}")
+            time.sleep(0.05)
+
+
+def serve_with_the_deployments_store(stack: Stack, docs: list[Doc], client: redis.Redis) -> str:
+    """extproc serve with the Deployment's env, its store moved from the Service's cluster
+    address onto the local Redis; its HTTP base URL."""
+    env = env_of(one(docs, "Deployment", "extproc"))
+    local = f"127.0.0.1:{client.connection_pool.connection_kwargs['port']}"
+    env["EXTPROC_STORE"] = urllib.parse.urlsplit(env["EXTPROC_STORE"])._replace(netloc=local).geturl()
+    http = free_port()
+    process = stack.start("extproc", [sys.executable, "-m", "extproc", "serve",
+                                      "--policy", str(ISTIO / "base" / "policy.yaml"),
+                                      "--grpc", f"127.0.0.1:{free_port()}", "--http", f"127.0.0.1:{http}",
+                                      "--admin", f"127.0.0.1:{free_port()}"], env=env)
+    wait_http(f"http://127.0.0.1:{http}/readyz", proc=process.popen)
+    return f"http://127.0.0.1:{http}"
+
+
+def test_extproc_shares_the_components_redis_and_keeps_deciding_without_it(
+        rendered: Rendered, tmp_path: Path) -> None:
+    docs = rendered["gateway+redis"]
+    server, client = start_component_redis(docs, tmp_path)
+    stack = Stack(tmp_path)
     try:
-        deadline, reply = time.monotonic() + 10, b""
-        while time.monotonic() < deadline and process.poll() is None:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
-                    sock.sendall(b"CONFIG GET maxmemory-policy\r\n")
-                    reply = sock.recv(256)
-                    break
-            except OSError:
-                time.sleep(0.05)
-        assert process.poll() is None, process.communicate()[0]
-        assert b"noeviction" in reply
+        # No persistence, and a full Redis refuses writes rather than dropping a lease.
+        assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
+        assert client.config_get("appendonly") == {"appendonly": "no"}
+        assert client.config_get("save") == {"save": ""}
+        base = serve_with_the_deployments_store(stack, docs, client)
+
+        def until(name: str, value: float, what: str) -> None:
+            deadline = time.monotonic() + 15
+            while sample(httpx.get(f"{base}/metrics").text, name) != value:
+                assert time.monotonic() < deadline, f"{what}\n{stack.processes[0].output()[-3000:]}"
+                time.sleep(0.1)
+
+        # The first heartbeat registers the replica (and the store's gauges appear).
+        until("extproc_cluster_replicas", 1, "extproc did not join the component's Redis")
+        assert sample(httpx.get(f"{base}/metrics").text, "extproc_store_degraded") == 0
+        assert client.keys("*"), "nothing written to the store"
+
+        server.kill()
+        server.wait(10)
+        until("extproc_store_degraded", 1, "extproc did not notice that Redis is gone")
+        ready = httpx.get(f"{base}/readyz")
+        assert ready.status_code == 200, "an outage must not empty the endpoints"
+        assert "shared store unreachable" in ready.json()["detail"]
     finally:
-        process.terminate()
-        process.wait(10)
+        stack.stop()
+        if server.poll() is None:
+            server.kill()
+            server.wait(10)
 
 
 # --- alerts, KEDA queries, dashboards ---------------------------------------------------------
@@ -1120,7 +1350,8 @@ def test_alert_rules_pass_promtool(rendered: Rendered, tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     alerts = {r["alert"] for g in rule_groups(rendered["base"]) for r in g["rules"] if "alert" in r}
     assert {"InferenceQueueWaitP95High", "InferenceRejectionsRising", "InferenceKVCacheSaturated",
-            "InferencePendingRequestsGrowing", "ExtprocPolicyReloadFailing", "ExtprocSignalStale"} <= alerts
+            "InferencePendingRequestsGrowing", "ExtprocPolicyReloadFailing", "ExtprocSignalStale",
+            "ExtprocStoreDegraded"} <= alerts
 
 
 #: Synthetic series (one sample a minute) and the alerts they must raise, no more, no fewer.
@@ -1181,6 +1412,14 @@ ALERT_CASES: dict[str, tuple[dict[str, str], str, list[dict[str, str]]]] = {
         'extproc_signal_stale{namespace="extproc",pod="a",signal="kv_cache"}': "0x25",
         'extproc_signal_stale{namespace="extproc",pod="b",signal="kv_cache"}': "0x25",
     }, "15m", [{"namespace": "extproc", "pod": "a", "signal": "kueue_pending", "severity": "warning"}]),
+    "ExtprocStoreDegraded": ({
+        # Pod a has been without Redis for 10 minutes; pod b for 1 (still pending: `for: 2m`);
+        # pod c lost it for a minute and got it back; pod d never lost it.
+        'extproc_store_degraded{namespace="extproc",pod="a"}': "0x5 1x20",
+        'extproc_store_degraded{namespace="extproc",pod="b"}': "0x14 1x20",
+        'extproc_store_degraded{namespace="extproc",pod="c"}': "0x5 1 0x20",
+        'extproc_store_degraded{namespace="extproc",pod="d"}': "0x25",
+    }, "15m", [{"namespace": "extproc", "pod": "a", "severity": "warning"}]),
 }
 
 
@@ -1215,6 +1454,7 @@ def test_alerts_fire_on_the_situations_they_describe(rendered: Rendered,
             {"series": 'vllm:kv_cache_usage_perc{model_name="llama"}', "values": "0.7x40"},
             {"series": 'extproc_policy_reload_failing{pod="a"}', "values": "0x40"},
             {"series": 'extproc_signal_stale{pod="a",signal="kueue_pending"}', "values": "0x40"},
+            {"series": 'extproc_store_degraded{pod="a"}', "values": "0x40"},
         ],
         "alert_rule_test": [{"eval_time": "35m", "alertname": alert, "exp_alerts": []}
                             for alert in sorted(alerts)],
@@ -1284,20 +1524,31 @@ def test_metric_name_lexer() -> None:
 
 
 @pytest.fixture(scope="module")
-def scraped(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The /metrics pages of a real extproc and of the simulated vLLM backend, one after the other."""
-    stack = Stack(tmp_path_factory.mktemp("k8s-metrics"))
+def scraped(rendered: Rendered, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The /metrics pages of a real extproc and of the simulated vLLM backend, one after the other.
+
+    extproc runs with the Redis component's store settings, against a real Redis started with
+    its arguments: the store's metrics (extproc_store_degraded …) exist only with a store.
+    """
+    workdir = tmp_path_factory.mktemp("k8s-metrics")
+    docs = rendered["gateway+redis"]
+    server, client = start_component_redis(docs, workdir)
+    stack = Stack(workdir)
     try:
         backend = free_port()
         stack.start("backend", [sys.executable, "-m", "extproc", "sim", "backend", "--profile", "test",
                                 "--listen", f"127.0.0.1:{backend}"])
-        http = free_port()
-        stack.extproc(ISTIO / "base" / "policy.yaml", free_port(), http)
+        extproc = serve_with_the_deployments_store(stack, docs, client)
         wait_http(f"http://127.0.0.1:{backend}/health", proc=stack.processes[0].popen)
-        return (httpx.get(f"http://127.0.0.1:{http}/metrics").text
-                + httpx.get(f"http://127.0.0.1:{backend}/metrics").text)
+        deadline = time.monotonic() + 15  # the store's gauges appear with the first heartbeat
+        while "extproc_store_degraded" not in httpx.get(f"{extproc}/metrics").text:
+            assert time.monotonic() < deadline, stack.processes[1].output()[-3000:]
+            time.sleep(0.1)
+        return httpx.get(f"{extproc}/metrics").text + httpx.get(f"http://127.0.0.1:{backend}/metrics").text
     finally:
         stack.stop()
+        server.kill()
+        server.wait(10)
 
 
 @pytest.fixture(scope="module")
@@ -1323,7 +1574,7 @@ def test_every_metric_used_by_alerts_keda_and_dashboards_is_exported(
     assert {"inference_queue_wait_seconds_bucket", "inference_pending_requests",
             "inference_admission_rejections_total", "vllm:kv_cache_usage_perc",
             "extproc_policy_reload_failing", "extproc_shadow_decisions_total",
-            "extproc_signal_stale"} <= exported
+            "extproc_signal_stale", "extproc_store_degraded"} <= exported
     groups = rule_groups(rendered["base"])
     recorded = {r["record"] for g in groups for r in g["rules"] if "record" in r}
     queries = {f"rule {r.get('alert') or r.get('record')}": r["expr"] for g in groups for r in g["rules"]}
