@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from extproc import __version__
-from extproc.settings import Address, Settings, env
+from extproc.settings import Address, Settings, env, read_token
 
 EXIT_BAD_POLICY = 2
 EXIT_STARTUP = 3
@@ -28,11 +28,7 @@ def _optional_address(text: str) -> Address | None:
 def _admin_token(args: argparse.Namespace) -> str | None:
     """The admin token, from --admin-token-file or EXTPROC_ADMIN_TOKEN (not a flag: ps shows flags)."""
     if args.admin_token_file:
-        with open(args.admin_token_file, encoding="utf-8") as file:
-            token = file.read().strip()
-        if not token:
-            raise ValueError(f"the admin token file {args.admin_token_file} is empty")
-        return token
+        return read_token(args.admin_token_file)
     return env("ADMIN_TOKEN", "").strip() or None
 
 

@@ -61,3 +61,12 @@ class Settings:
 
 def env(name: str, default: str) -> str:
     return os.environ.get(f"EXTPROC_{name}", default)
+
+
+def read_token(path: str) -> str:
+    """A token from a file (a mounted Secret, usually newline-terminated); ValueError if empty."""
+    with open(path, encoding="utf-8") as file:
+        token = file.read().strip()
+    if not token:
+        raise ValueError(f"the token file {path} is empty")
+    return token

@@ -39,7 +39,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from extproc.settings import Address, env
+from extproc.settings import Address, env, read_token
 
 DEFAULT_ADMIN = "127.0.0.1:9091"
 #: The same variables ``extproc serve`` reads, so one environment configures both ends.
@@ -884,11 +884,7 @@ def _token(args: argparse.Namespace) -> str | None:
     if args.token is not None:
         return str(args.token).strip() or None
     if args.token_file:
-        with open(args.token_file, encoding="utf-8") as file:
-            token = file.read().strip()
-        if not token:
-            raise ValueError(f"the token file {args.token_file} is empty")
-        return token
+        return read_token(args.token_file)
     return os.environ.get(TOKEN_ENV, "").strip() or None
 
 

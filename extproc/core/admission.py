@@ -431,8 +431,7 @@ class Scheduler:
             crowded = queue.crowding(ticket.tenant) if lane.max_queued else None
             if crowded is None:
                 return Outcome.REJECTED, Reason.QUEUE_FULL, None, 0.0
-        sjf_weight = lane.sjf_weight if lane.sjf_weight is not None else self.policy.queueing.sjf_weight
-        rank = rank_of(now, ticket.deadline, ticket.predicted, sjf_weight)
+        rank = self.rank(ticket)
         if self._estimated_wait(lane, rank, now) > lane.deadline:
             return Outcome.REJECTED, Reason.DEADLINE_UNMEETABLE, None, rank
         cap = self.policy.capacity.max_queued

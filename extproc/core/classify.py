@@ -13,6 +13,9 @@ from dataclasses import dataclass
 
 from extproc.policy.schema import Match, Policy
 
+#: The prefix of the headers extproc sets itself; a client's own are dropped unless trusted.
+HEADER_PREFIX = "x-extproc-"
+
 
 @dataclass(frozen=True, slots=True)
 class RequestFacts:

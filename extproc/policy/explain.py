@@ -32,14 +32,12 @@ from typing import Any
 
 from extproc.core.admission import Decision, Scheduler, State, Ticket
 from extproc.core.body import BodyFacts, read_body
-from extproc.core.classify import Classifier, RequestFacts
+from extproc.core.classify import HEADER_PREFIX, Classifier, RequestFacts
 from extproc.core.decision import Outcome, Reason
 from extproc.core.estimate import Estimator, Job
 from extproc.policy.loader import PolicyError, load_policy
 from extproc.policy.schema import Lane, Match, Policy
 
-#: The prefix of the headers extproc sets itself (as in servers/extproc.py).
-HEADER_PREFIX = "x-extproc-"
 #: Headers every HTTP request carries: not worth an "ignored" line each.
 _TRANSPORT = frozenset({
     "accept", "accept-encoding", "authorization", "connection", "content-length", "content-type", "host",

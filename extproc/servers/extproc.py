@@ -37,12 +37,11 @@ from google.protobuf.duration_pb2 import Duration
 from extproc.controller import Controller
 from extproc.core.admission import Decision, Ticket
 from extproc.core.body import BodyFacts, read_body
-from extproc.core.classify import Classification, Classifier, RequestFacts
+from extproc.core.classify import HEADER_PREFIX, Classification, Classifier, RequestFacts
 from extproc.core.decision import Outcome, Reason
 from extproc.core.retry_budget import is_retry
 from extproc.core.saturation import Effect
 
-HEADER_PREFIX = "x-extproc-"
 #: Rejections a prompt retry cannot turn around: shed under saturation, retry budget spent.
 _NO_RETRY = frozenset({Reason.SATURATED, Reason.RETRY_BUDGET})
 #: Envoy must never time out a hold before extproc answers it: the override carries this margin.

@@ -21,6 +21,7 @@ while Redis is unreachable). :func:`open_ledger` picks one from a store URL.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -194,6 +195,19 @@ class GlobalView:
 
 
 FreedCallback = Callable[[str], None]
+#: The lane name of a wake-up for every lane.
+ALL_LANES = "*"
+
+
+def wake(loop: asyncio.AbstractEventLoop | None, callbacks: Iterable[FreedCallback], lane: str,
+         known: Iterable[str]) -> None:
+    """Schedule ``callbacks`` for ``lane`` on ``loop`` (for every ``known`` lane when ``lane`` is ``*``)."""
+    if loop is None or loop.is_closed():
+        return
+    lanes = sorted(set(known)) if lane == ALL_LANES else [lane]
+    for name in lanes:
+        for callback in callbacks:
+            loop.call_soon(callback, name)
 
 
 class Ledger(Protocol):

@@ -36,7 +36,7 @@ from enum import Enum
 
 import structlog
 
-from extproc.state import FreedCallback, GlobalView, LedgerUnavailable, Limits, Verdict
+from extproc.state import ALL_LANES, FreedCallback, GlobalView, LedgerUnavailable, Limits, Verdict
 from extproc.state.redis import RedisLedger
 
 log = structlog.get_logger("extproc")
@@ -132,7 +132,7 @@ class FallbackLedger:
             # Every live replica heartbeats (and re-registers its leases) within the queue TTL.
             self._settling_until = time.monotonic() + self.primary.queue_ttl
             log.info("ledger_recovered", outage_s=round(outage, 3), held=sum(self.primary.held.values()))
-            self.primary.deliver("*")
+            self.primary.deliver(ALL_LANES)
             return
 
     # -- the ledger -----------------------------------------------------------------------

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from extproc.state import (
+    ALL_LANES,
     LEASE_TTL,
     QUEUE_TTL,
     RANK_TOLERANCE,
@@ -32,10 +33,10 @@ from extproc.state import (
     Verdict,
     outranked,
     summary_changes,
+    wake,
 )
 
 #: Wakes every lane: a replica's queue vanished, so any lane may have room again.
-_ALL = "*"
 
 
 @dataclass(slots=True)
@@ -91,7 +92,7 @@ class MemoryHub:
             del self.alive[replica]
             self.summaries.pop(replica, None)
         if dead:
-            self.publish(_ALL)
+            self.publish(ALL_LANES)
         for name, lane in self.lanes.items():
             if lane.heap and lane.heap[0][0] <= now and lane.purge(now):
                 self.publish(name)
@@ -153,7 +154,7 @@ class MemoryLedger:
                 await self.release(lane, lease)
         self.hub.alive.pop(self.replica, None)
         if self.hub.summaries.pop(self.replica, None) is not None:
-            self.hub.publish(_ALL)
+            self.hub.publish(ALL_LANES)
         if self in self.hub.members:
             self.hub.members.remove(self)
 
@@ -260,9 +261,4 @@ class MemoryLedger:
 
     def deliver(self, lane: str) -> None:
         """Schedule this ledger's callbacks for ``lane`` (every known lane for a wake-all)."""
-        if self._loop is None or self._loop.is_closed():
-            return
-        lanes = sorted(self._known | set(self._held)) if lane == _ALL else [lane]
-        for name in lanes:
-            for callback in self._callbacks:
-                self._loop.call_soon(callback, name)
+        wake(self._loop, self._callbacks, lane, self._known | set(self._held))

@@ -54,6 +54,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 
 from extproc.state import (
+    ALL_LANES,
     LEASE_TTL,
     QUEUE_TTL,
     RANK_TOLERANCE,
@@ -63,9 +64,9 @@ from extproc.state import (
     Limits,
     Verdict,
     summary_changes,
+    wake,
 )
 
-_ALL = "*"
 _SENTINEL_PORT = 26379
 _T = TypeVar("_T")
 #: Scripts of the decision path, sent in shared pipelines (the heartbeat and the view go alone).
@@ -622,12 +623,7 @@ class RedisLedger:
 
     def deliver(self, lane: str) -> None:
         """Schedule the callbacks for ``lane`` (every known lane for ``*``)."""
-        if self._loop is None or self._loop.is_closed():
-            return
-        lanes = sorted(self._known | set(self._held)) if lane == _ALL else [lane]
-        for name in lanes:
-            for callback in self._callbacks:
-                self._loop.call_soon(callback, name)
+        wake(self._loop, self._callbacks, lane, self._known | set(self._held))
 
     async def _listen(self) -> None:
         """Keep one subscription open; while it is down, wake every lane at each retry instead."""
@@ -641,7 +637,7 @@ class RedisLedger:
                     await pubsub.subscribe(self.channel)
                     if not self.subscribed:
                         self.subscribed = True
-                        self.deliver(_ALL)  # whatever was published while we were away is lost
+                        self.deliver(ALL_LANES)  # whatever was published while we were away is lost
                     delay = 0.05
                     while not self._closing:
                         message = await pubsub.get_message(timeout=1.0)
@@ -649,7 +645,7 @@ class RedisLedger:
                             self.deliver(str(message["data"]))
                 except (RedisError, OSError):
                     self.subscribed = False
-                    self.deliver(_ALL)
+                    self.deliver(ALL_LANES)
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 1.0)
                 finally:
