@@ -14,8 +14,23 @@ import httpx
 import pytest
 
 from extproc.localstack import Stack, envoy_config, free_port, stack
+from tests.integration.kueue_exporter import Exporter
 
 UPSTREAM = Path(__file__).with_name("upstream.py")
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """Current value of one sample from a /metrics page (0 if absent)."""
+    text = httpx.get(url, timeout=5).text
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        match = re.match(r"^([a-zA-Z_:][\w:]*)(?:\{(.*)\})? (\S+)$", line)
+        if not match or match.group(1) != name:
+            continue
+        got = ",".join(sorted((match.group(2) or "").split(","))) if match.group(2) else ""
+        if got == want:
+            return float(match.group(3))
+    return 0.0
 
 
 @dataclass
@@ -30,16 +45,7 @@ class Env:
 
     def metric(self, name: str, **labels: str) -> float:
         """Current value of one sample from extproc's /metrics (0 if absent)."""
-        text = httpx.get(self.metrics_url, timeout=5).text
-        want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-        for line in text.splitlines():
-            match = re.match(r"^([a-zA-Z_:][\w:]*)(?:\{(.*)\})? (\S+)$", line)
-            if not match or match.group(1) != name:
-                continue
-            got = ",".join(sorted((match.group(2) or "").split(","))) if match.group(2) else ""
-            if got == want:
-                return float(match.group(3))
-        return 0.0
+        return metric(self.metrics_url, name, **labels)
 
     def wait_idle(self, timeout: float = 10.0) -> None:
         """Wait until no lane has anything queued or in flight."""
@@ -86,3 +92,14 @@ def make_env(tmp_path: Path) -> Iterator[Callable[..., Env]]:
             holder.processes.extend(s.processes)
             return env
         yield make
+
+
+@pytest.fixture(scope="module")
+def exporter() -> Iterator[Exporter]:
+    """A Kueue exporter in this process (see kueue_exporter.py), one per test module."""
+    e = Exporter()
+    e.start()
+    try:
+        yield e
+    finally:
+        e.stop()

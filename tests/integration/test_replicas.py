@@ -9,7 +9,6 @@ asserts speed beyond the lease TTL the issue names.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import sys
 import time
@@ -22,6 +21,7 @@ import httpx
 import pytest
 
 from extproc.localstack import Process, Stack, envoy_config, free_port, wait_http
+from tests.integration.conftest import metric
 from tests.integration.test_state_redis import RedisServer
 
 pytestmark = pytest.mark.envoy
@@ -47,15 +47,7 @@ class Replica:
     metrics_url: str
 
     def metric(self, name: str, **labels: str) -> float:
-        text = httpx.get(self.metrics_url, timeout=5).text
-        want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-        for line in text.splitlines():
-            match = re.match(r"^([a-zA-Z_:][\w:]*)(?:\{(.*)\})? (\S+)$", line)
-            if match and match.group(1) == name:
-                got = ",".join(sorted(match.group(2).split(","))) if match.group(2) else ""
-                if got == want:
-                    return float(match.group(3))
-        return 0.0
+        return metric(self.metrics_url, name, **labels)
 
 
 @dataclass

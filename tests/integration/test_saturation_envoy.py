@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests.integration.conftest import Env
-from tests.integration.test_signals import PENDING, QUEUE, Exporter, Prometheus
+from tests.integration.kueue_exporter import PENDING, QUEUE, Exporter, Prometheus
 
 pytestmark = pytest.mark.envoy
 
@@ -47,16 +47,6 @@ signals:
       min_active: 1s
       shed: [best-effort]
 """
-
-
-@pytest.fixture(scope="module")
-def exporter() -> Iterator[Exporter]:
-    e = Exporter()
-    e.start()
-    try:
-        yield e
-    finally:
-        e.stop()
 
 
 @pytest.fixture
