@@ -498,29 +498,35 @@ class Scheduler:
         return out
 
     def snapshot(self, now: float) -> dict[str, LaneView]:
-        views = {}
-        for name, tickets in self._inflight.items():
-            lane = self._lanes[name]
-            queue = self._queues[name]
-            retired = name in self._retired
-            views[name] = LaneView(
-                inflight=len(tickets),
-                limit=0 if retired else lane.max_inflight,
-                effective_limit=0 if retired else self._limits[name],
-                queued=len(queue),
-                borrowed=max(0, len(tickets) - self._limits[name]),
-                queued_work=queue.work,
-                tenants=queue.tenants(),
-                max_queued=lane.max_queued,
-                priority=lane.priority,
-                paused=name in self.paused,
-                closed=lane.closed,
-                shadow=self.shadowed(name),
-                retired=retired,
-                shed_by=self._effects[name].shed_by if name in self._effects else None,
-                shed_signal=self._effects[name].signal if name in self._effects else None,
-            )
-        return views
+        return {name: self._view(name) for name in self._inflight}
+
+    def lane_view(self, name: str) -> LaneView | None:
+        """One lane's view (None for a lane the scheduler does not have): what the edge asks per request."""
+        return self._view(name) if name in self._inflight else None
+
+    def _view(self, name: str) -> LaneView:
+        tickets = self._inflight[name]
+        lane = self._lanes[name]
+        queue = self._queues[name]
+        retired = name in self._retired
+        effect = self._effects.get(name)
+        return LaneView(
+            inflight=len(tickets),
+            limit=0 if retired else lane.max_inflight,
+            effective_limit=0 if retired else self._limits[name],
+            queued=len(queue),
+            borrowed=max(0, len(tickets) - self._limits[name]),
+            queued_work=queue.work,
+            tenants=queue.tenants(),
+            max_queued=lane.max_queued,
+            priority=lane.priority,
+            paused=name in self.paused,
+            closed=lane.closed,
+            shadow=self.shadowed(name),
+            retired=retired,
+            shed_by=effect.shed_by if effect is not None else None,
+            shed_signal=effect.signal if effect is not None else None,
+        )
 
     def _prune_retired(self) -> None:
         """Forget retired lanes once their last request is gone."""

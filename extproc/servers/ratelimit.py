@@ -150,12 +150,10 @@ class ControllerPressure:
         return self._controller.policy
 
     def lane(self, name: str) -> LanePressure | None:
-        controller = self._controller
-        view = controller.scheduler.snapshot(controller.now()).get(name)
+        # One lane, not the whole snapshot: the edge asks on every request.
+        view = self._controller.scheduler.lane_view(name)
         if view is None:
             return None
-        # Saturation's effect on a lane (a shrunk limit, a shed) is read when the scheduler
-        # reports it; until then the edge sees the lane's own limit and never a shed.
         return LanePressure(queued=view.queued, max_queued=view.max_queued, inflight=view.inflight,
                             limit=view.effective_limit, shed_by=view.shed_by, signal=view.shed_signal,
                             closed=view.closed, paused=view.paused, shadow=view.shadow, tenants=view.tenants)
