@@ -284,6 +284,14 @@ def _prompt_tokens(prompt: object) -> int:
 def parse_ask(body: bytes, chat: bool) -> Ask:
     """Read the few fields that matter from an untrusted request body."""
     try:
+        return _parse_ask(body, chat)
+    except RecursionError:
+        # json and the prompt walk both recurse per nesting level: the client chooses the depth.
+        raise BadRequest("the request body is nested too deeply") from None
+
+
+def _parse_ask(body: bytes, chat: bool) -> Ask:
+    try:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError):
         raise BadRequest("the request body is not valid JSON") from None

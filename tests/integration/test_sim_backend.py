@@ -181,6 +181,9 @@ def test_models_and_health(client: openai.OpenAI, server: Server) -> None:
     (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}', "'max_tokens' must be"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "n": 2}', "n=1"),
     (b"\xff\xfe", "not valid JSON"),
+    # 10,000 levels deep: the JSON parser recurses per level.
+    (b"[" * 10_000 + b"]" * 10_000, "nested too deeply"),
+    (b'{"messages": ' + b"[" * 10_000 + b"]" * 10_000 + b"}", "nested too deeply"),
 ])
 def test_bad_bodies_get_400_with_an_openai_error(server: Server, body: bytes, message: str) -> None:
     response = server.http.post("/v1/chat/completions", content=body,
