@@ -34,8 +34,8 @@ class Admin:
 
     # -- operations ------------------------------------------------------------------
 
-    def reload(self) -> ReloadResult:
-        return self.policy_file.reload("admin")
+    async def reload(self) -> ReloadResult:
+        return await self.policy_file.reload("admin")
 
     def drain(self) -> None:
         self.controller.drain()
@@ -97,6 +97,8 @@ class Admin:
                 "reloads_ok": policy_file.reloads_ok,
                 "reloads_failed": policy_file.reloads_failed,
                 "last_error": list(policy_file.last_error) if policy_file.last_error else None,
+                # Since when the file on disk has been invalid while the previous policy serves.
+                "stale_since": round(policy_file.stale_since, 3) if policy_file.stale_since else None,
             },
             "capacity": {
                 "limit": scheduler.policy.total_capacity,

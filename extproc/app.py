@@ -11,6 +11,9 @@ import asyncio
 import contextlib
 import random
 import signal
+import time
+from collections.abc import Coroutine
+from typing import Any
 
 import grpc
 import structlog
@@ -35,7 +38,15 @@ from extproc.signals.hub import SaturationCollector, SignalHub
 from extproc.state import open_ledger
 
 log = structlog.get_logger("extproc")
+_tasks: set[asyncio.Task[object]] = set()
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+
+
+def _background(coro: Coroutine[Any, Any, object]) -> None:
+    """Run ``coro`` on the loop, keeping a reference until it ends (a signal handler cannot await)."""
+    task = asyncio.get_running_loop().create_task(coro)
+    _tasks.add(task)
+    task.add_done_callback(_tasks.discard)
 
 
 class StartupError(Exception):
@@ -73,6 +84,7 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
 
     def reloaded(result: ReloadResult) -> None:
         metrics.policy_reload_failing.set(0 if result.ok else 1)
+        metrics.policy_stale_since.set(policy_file.stale_since or 0)
         if not result.ok:
             metrics.policy_reloads.labels("error").inc()
         elif result.changed:
@@ -83,7 +95,7 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
     policy_file = PolicyFile(settings.policy, policy, controller.reconfigure, on_result=reloaded)
     metrics.policy_loaded.set(policy_file.loaded_at)
     with contextlib.suppress(NotImplementedError, RuntimeError, AttributeError):
-        loop.add_signal_handler(signal.SIGHUP, lambda: policy_file.reload("sighup"))
+        loop.add_signal_handler(signal.SIGHUP, lambda: _background(policy_file.reload("sighup")))
 
     server = grpc.aio.server()
     ext_proc_grpc.add_ExternalProcessorServicer_to_server(processor, server)
@@ -104,11 +116,17 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
     def ready() -> tuple[bool, str]:
         if controller.scheduler.draining:
             return False, "draining"
+        notes = []
         view = controller.view
         if view is not None and view.degraded:
             # Still ready: the fallback keeps deciding (within this replica's share, or refusing).
-            return True, f"serving; shared store unreachable ({view.reason}), local fallback"
-        return True, "serving"
+            notes.append(f"shared store unreachable ({view.reason}), local fallback")
+        if policy_file.stale_since is not None:
+            # Still ready: the previous policy serves.
+            since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(policy_file.stale_since))
+            first = policy_file.last_error[0] if policy_file.last_error else "unknown problem"
+            notes.append(f"policy file invalid since {since}, previous policy in force ({first})")
+        return True, "; ".join(["serving", *notes])
 
     runner = web.AppRunner(http.build_app(registry, ready), access_log=None)
     await runner.setup()

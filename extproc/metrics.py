@@ -163,6 +163,11 @@ class Metrics:
             "extproc_policy_loaded_timestamp_seconds", "When the policy in force was loaded (epoch seconds).",
             registry=registry,
         )
+        self.policy_stale_since = Gauge(
+            "extproc_policy_stale_since_timestamp_seconds", "Since when the policy file on disk has been "
+            "invalid while an older policy serves (epoch seconds; 0 while the file is the policy in force).",
+            registry=registry,
+        )
         # The request path goes through these (see Children); the metrics above stay the public handles.
         self.queue_wait_of = Children(self.queue_wait)
         self.service_time_of = Children(self.service_time)

@@ -388,7 +388,9 @@ def _header(state: Mapping[str, Any], width: int, g: Glyphs, source: str) -> lis
         problems = [p for p in problems if p]
         if problems:
             more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
-            lines.append(fit(f"! last reload failed, old policy kept: {problems[0]}{more}", width, g))
+            stale = _number(policy, "stale_since")
+            age = f" for {fmt_duration(now - stale, g)}" if stale is not None and now is not None else ""
+            lines.append(fit(f"! file invalid{age}, old policy kept: {problems[0]}{more}", width, g))
 
     capacity = _mapping(state, "capacity")
     if capacity:

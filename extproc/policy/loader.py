@@ -10,6 +10,7 @@ node tree to find its line, so an SRE sees ``policy.yaml:14 lanes[1].max_infligh
 
 from __future__ import annotations
 
+import os
 from collections.abc import Hashable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +21,9 @@ from pydantic import ValidationError
 
 from extproc.policy.schema import Policy
 
-#: A policy file larger than this is surely not a policy file.
-MAX_POLICY_BYTES = 4 * 1024 * 1024
+#: A policy file larger than this is surely not a policy file (the largest example is a few KiB).
+#: A hot reload refuses a bigger file from its size alone, without reading it.
+MAX_POLICY_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -187,16 +189,19 @@ def read_policy(path: str | Path) -> bytes:
     source = str(path)
     try:
         with open(path, "rb") as file:
-            # One byte more than allowed tells a file over the limit without reading all of it.
-            raw = file.read(MAX_POLICY_BYTES + 1)
+            size = os.fstat(file.fileno()).st_size
+            # One byte more than allowed tells a file over the limit (whose size the file system
+            # may not know, e.g. a pipe) without reading all of it.
+            raw = b"" if size > MAX_POLICY_BYTES else file.read(MAX_POLICY_BYTES + 1)
     except OSError as exc:
         raise PolicyError([Problem(source, None, "", f"cannot read file: {exc.strerror}")]) from None
-    if len(raw) > MAX_POLICY_BYTES:
-        raise PolicyError(
-            [Problem(source, None, "", f"file is over {MAX_POLICY_BYTES} bytes; a policy is at most "
-                     f"{MAX_POLICY_BYTES} bytes")]
-        )
+    if size > MAX_POLICY_BYTES or len(raw) > MAX_POLICY_BYTES:
+        raise PolicyError([too_large(source, max(size, len(raw)))])
     return raw
+
+
+def too_large(source: str, size: int) -> Problem:
+    return Problem(source, None, "", f"file is {size} bytes; a policy is at most {MAX_POLICY_BYTES} bytes")
 
 
 def decode_policy(raw: bytes, source: str) -> Policy:

@@ -47,7 +47,7 @@ def build_app(admin: Admin, token: str | None) -> web.Application:
         return web.json_response(admin.state())
 
     async def reload(_: web.Request) -> web.Response:
-        result = admin.reload()
+        result = await admin.reload()
         body = {"ok": result.ok, "changed": result.changed, "sha256": result.sha256,
                 "problems": list(result.problems)}
         return web.json_response(body, status=200 if result.ok else 422)

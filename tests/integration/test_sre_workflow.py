@@ -129,6 +129,57 @@ def test_a_bad_reload_keeps_the_old_policy_counts_it_and_stays_ready(make_env: C
     wait_for(lambda: env.metric("extproc_policy_reload_failing") == 0, "the fix to load")
 
 
+def _pace(env: Env, seconds: float, rate: float) -> list[tuple[int, float]]:
+    """Open-loop requests at ``rate`` per second for ``seconds``: (status, latency s) of each."""
+    def one(_: int) -> tuple[int, float]:
+        started = time.monotonic()
+        try:
+            status = post(env, timeout=10).status_code
+        except httpx.HTTPError:
+            status = 0
+        return status, time.monotonic() - started
+
+    futures = []
+    with ThreadPoolExecutor(16) as pool:
+        start = time.monotonic()
+        for i in range(int(seconds * rate)):
+            time.sleep(max(0.0, start + i / rate - time.monotonic()))
+            futures.append(pool.submit(one, i))
+        return [f.result() for f in futures]
+
+
+def test_a_huge_or_explosive_policy_file_costs_the_data_path_nothing(make_env: Callable[..., Env]) -> None:
+    from tests.unit.test_policy_watcher import BOMB
+
+    env = make_env(POLICY, extproc_args=("--watch-interval", "0.1"))
+    readyz = env.metrics_url.replace("/metrics", "/readyz")
+    # 3 MB of invalid YAML (over the size cap: refused unread), then a 1 KB alias bomb (decoded in
+    # a child process that the time cap stops), each saved over the live file under traffic.
+    env.policy.write_bytes(b"lanes: [" + b"{x: 1}, " * 400_000 + b"]\n")
+    first = _pace(env, 3.0, 20)
+    wait_for(lambda: env.metric("extproc_policy_reload_failing") == 1, "the size refusal")
+    assert env.metric("extproc_policy_stale_since_timestamp_seconds") > time.time() - 60
+    detail = httpx.get(readyz, timeout=5).json()
+    assert detail["status"] == "ready"
+    assert "policy file invalid since" in detail["detail"]
+    assert "a policy is at most" in detail["detail"]
+    env.policy.write_text(BOMB)
+    second = _pace(env, 3.0, 20)
+    both = first + second
+    assert [status for status, _ in both] == [200] * len(both)
+    latencies = sorted(latency for _, latency in both)
+    assert latencies[int(0.99 * len(latencies))] < 0.5
+    policy = state(env)["policy"]
+    assert isinstance(policy, dict)
+    assert policy["stale_since"] is not None
+    # The old policy serves throughout; the file's fix ends the stale period.
+    assert env.metric("inference_inflight_limit", lane="a") == 2
+    env.policy.write_text(POLICY.replace("max_inflight: 2", "max_inflight: 3"))
+    wait_for(lambda: env.metric("inference_inflight_limit", lane="a") == 3, "the fixed policy", timeout=20)
+    assert env.metric("extproc_policy_stale_since_timestamp_seconds") == 0
+    assert httpx.get(readyz, timeout=5).json()["detail"] == "serving"
+
+
 def test_sighup_shrinks_a_limit_without_cutting_running_requests(make_env: Callable[..., Env]) -> None:
     env = make_env(POLICY.replace("max_inflight: 2", "max_inflight: 3"),
                    extproc_args=("--watch-interval", "0"))

@@ -459,7 +459,7 @@ def test_oversized_file(tmp_path: Path, policy_data: PolicyData) -> None:
     (problem,) = caught.value.problems
     assert problem.file == str(path)
     assert problem.message == (
-        f"file is over {MAX_POLICY_BYTES} bytes; a policy is at most {MAX_POLICY_BYTES} bytes"
+        f"file is {MAX_POLICY_BYTES + 1} bytes; a policy is at most {MAX_POLICY_BYTES} bytes"
     )
 
 

@@ -45,7 +45,7 @@ def realistic() -> dict[str, Any]:
     return {
         "version": 1, "time": NOW + 0.1, "uptime_s": 123.4, "draining": False, "shadow": False,
         "policy": {"file": "examples/policy.yaml", "sha256": "ab12cd34ef567890", "loaded_at": NOW - 300,
-                   "reloads_ok": 2, "reloads_failed": 1,
+                   "reloads_ok": 2, "reloads_failed": 1, "stale_since": NOW - 90,
                    "last_error": ["policy.yaml:3: lanes[0].x: extra inputs are not permitted",
                                   "policy.yaml:9: lanes[1].deadline: expected a duration"]},
         "capacity": {"limit": 64, "inflight": 12, "queued": 120},
@@ -115,7 +115,7 @@ def test_wide_frame_shows_the_header_every_lane_and_every_section() -> None:
     assert title.startswith("extproc top  127.0.0.1:9091  up 2m03s")
     assert time.strftime("%H:%M:%S", time.localtime(NOW + 0.1)) in title
     assert "policy examples/policy.yaml @ab12cd34  reloads 2 ok, 1 failed  loaded 5m00s ago" in frame
-    assert ("! last reload failed, old policy kept: policy.yaml:3: lanes[0].x: extra inputs are not "
+    assert ("! file invalid for 1m30s, old policy kept: policy.yaml:3: lanes[0].x: extra inputs are not "
             "permitted (+1 more)") in frame
     assert "12/64 in flight  120 queued  rates over 1m00s" in frame
     head = next(line for line in lines_of(frame) if line.startswith("LANE"))
