@@ -33,7 +33,7 @@ from extproc.servers.extproc import ExternalProcessor
 from extproc.servers.ratelimit import SERVICE as RATELIMIT_SERVICE
 from extproc.servers.ratelimit import ControllerPressure, RateLimitMetrics, RateLimitService
 from extproc.servers.ratelimit import add_to_server as add_ratelimit_service
-from extproc.settings import Settings
+from extproc.settings import Settings, allowed_hosts
 from extproc.signals.hub import SaturationCollector, SignalHub
 from extproc.state import open_ledger
 
@@ -76,7 +76,7 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
             raise StartupError(f"cannot use the store {settings.store!r}: {exc}") from None
         await ledger.start()
     controller = Controller(policy, metrics, rng=rng, ledger=ledger)
-    processor = ExternalProcessor(controller)
+    processor = ExternalProcessor(controller, log_key=settings.log_key)
     controller.on_reconfigure.append(lambda _: processor.reconfigure())
     registry.register(SaturationCollector(controller.saturation, controller.now))
     hub = SignalHub(policy.signals, registry, controller.now, controller.on_signals)
@@ -102,7 +102,7 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
     edge_metrics = RateLimitMetrics(registry, metrics.saturation_rejections)
     ratelimit = RateLimitService(ControllerPressure(controller), edge_metrics,
                                  lambda: controller.policy.ratelimit, rng=rng,
-                                 permit_retry=controller.permit_retry)
+                                 permit_retry=controller.permit_retry, log_key=settings.log_key)
     add_ratelimit_service(ratelimit, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -128,7 +128,8 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
             notes.append(f"policy file invalid since {since}, previous policy in force ({first})")
         return True, "; ".join(["serving", *notes])
 
-    runner = web.AppRunner(http.build_app(registry, ready), access_log=None)
+    runner = web.AppRunner(http.build_app(registry, ready, token=settings.metrics_token,
+                                          hosts=allowed_hosts(settings.http)), access_log=None)
     await runner.setup()
     try:
         await web.TCPSite(runner, settings.http.host, settings.http.port).start()
@@ -138,7 +139,9 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
     admin_runner: web.AppRunner | None = None
     if settings.admin is not None:
         admin = Admin(controller, policy_file, signals=hub)
-        admin_runner = web.AppRunner(admin_http.build_app(admin, settings.admin_token), access_log=None)
+        hosts = allowed_hosts(settings.admin, settings.admin_hosts)
+        admin_app = admin_http.build_app(admin, settings.admin_token, hosts)
+        admin_runner = web.AppRunner(admin_app, access_log=None)
         await admin_runner.setup()
         try:
             await web.TCPSite(admin_runner, settings.admin.host, settings.admin.port).start()

@@ -20,6 +20,14 @@ ROOT = Path(__file__).resolve().parent.parent
 ENVOY_CONFIG = ROOT / "envoy" / "envoy.yaml"
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 RATELIMIT_FILTER = "envoy.filters.http.ratelimit"
+#: Removes every client-sent x-extproc-* header, first in the chain.
+STRIP_FILTER = "extproc.strip_client_headers"
+#: Maps a client's API key to the client name it forwards as x-extproc-client.
+API_KEY_FILTER = "envoy.filters.http.api_key_auth"
+#: After ext_proc: denies what extproc did not admit (fail-closed for new requests only).
+GATE_FILTER = "extproc.admission_gate"
+#: The RBAC policy the gate denies by, as it shows in %RESPONSE_CODE_DETAILS%.
+GATE_DENIAL = "rbac_access_denied_matched_policy[extproc-not-admitted]"
 #: Clusters that point at extproc: its ext_proc stream and its rate limit service (one port).
 EXTPROC_CLUSTERS = ("extproc", "extproc_ratelimit")
 
@@ -46,6 +54,28 @@ def _hcm(config: dict[str, Any]) -> dict[str, Any]:
     return typed
 
 
+def _remove_filters(hcm: dict[str, Any], names: tuple[str, ...]) -> None:
+    hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] not in names]
+    for vhost in hcm["route_config"]["virtual_hosts"]:
+        for route in vhost["routes"]:
+            per_filter = route.get("typed_per_filter_config", {})
+            for name in names:
+                per_filter.pop(name, None)
+            if not per_filter:
+                route.pop("typed_per_filter_config", None)
+
+
+def _remove_gate(hcm: dict[str, Any]) -> None:
+    """Fail open: no admission gate, and no mapping of its denial."""
+    _remove_filters(hcm, (GATE_FILTER,))
+    replies = hcm.get("local_reply_config")
+    if replies is not None:
+        mappers = replies.get("mappers", [])
+        replies["mappers"] = [m for m in mappers if GATE_DENIAL not in str(m.get("filter"))]
+        if not replies["mappers"]:
+            del hcm["local_reply_config"]
+
+
 def render(
     listen: Address,
     admin: Address,
@@ -53,29 +83,26 @@ def render(
     extproc: Address | None,
     *,
     base: Path = ENVOY_CONFIG,
+    fail_open: bool = False,
     tweak: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """The shipped bootstrap with its addresses rewritten.
 
     ``extproc=None`` removes everything that talks to extproc (the ratelimit and ext_proc
-    filters, their per-route settings and clusters): plain Envoy, a baseline.
+    filters, the admission gate, their per-route settings and clusters) and keeps the gateway's
+    own work (the strip of client x-extproc-* headers, API keys): plain Envoy, a baseline.
+    ``fail_open`` removes the admission gate: while extproc is down, requests pass unadmitted.
     """
     config: dict[str, Any] = copy.deepcopy(yaml.safe_load(base.read_text()))
     config["admin"]["address"]["socket_address"] = _socket(admin)
     config["static_resources"]["listeners"][0]["address"]["socket_address"] = _socket(listen)
     clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
     _set_endpoint(clusters["inference_backend"], backend)
+    hcm = _hcm(config)
+    if fail_open or extproc is None:
+        _remove_gate(hcm)
     if extproc is None:
-        hcm = _hcm(config)
-        ours = (EXT_PROC_FILTER, RATELIMIT_FILTER)
-        hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] not in ours]
-        for vhost in hcm["route_config"]["virtual_hosts"]:
-            for route in vhost["routes"]:
-                per_filter = route.get("typed_per_filter_config", {})
-                for name in ours:
-                    per_filter.pop(name, None)
-                if not per_filter:
-                    route.pop("typed_per_filter_config", None)
+        _remove_filters(hcm, (EXT_PROC_FILTER, RATELIMIT_FILTER))
         config["static_resources"]["clusters"] = [
             c for c in config["static_resources"]["clusters"] if c["name"] not in EXTPROC_CLUSTERS
         ]
@@ -87,5 +114,12 @@ def render(
     return config
 
 
+class _NoAliases(yaml.SafeDumper):
+    """Writes shared parts (the shipped file's YAML anchors) out in full, as Envoy's users read them."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
 def dump(config: dict[str, Any], header: str = "") -> str:
-    return header + yaml.safe_dump(config, sort_keys=False, width=120)
+    return header + yaml.dump(config, Dumper=_NoAliases, sort_keys=False, width=120)

@@ -50,14 +50,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return EXIT_BAD_POLICY
     try:
         token = _admin_token(args)
+        metrics_token = read_token(args.metrics_token_file) if args.metrics_token_file else (
+            env("METRICS_TOKEN", "").strip() or None)
+        log_key = read_token(args.log_key_file) if args.log_key_file else (env("LOG_KEY", "").strip() or None)
     except (OSError, ValueError) as exc:
-        print(f"extproc: cannot read the admin token: {exc}", file=sys.stderr)
+        print(f"extproc: cannot read a token: {exc}", file=sys.stderr)
         return EXIT_STARTUP
     settings = Settings(policy=args.policy, grpc=args.grpc, http=args.http, log_format=args.log_format,
                         log_level=args.log_level, shutdown_grace_s=args.shutdown_grace, seed=args.seed,
                         admin=args.admin, admin_token=token, watch_interval_s=args.watch_interval,
                         store=args.store or None, store_fail_open=args.store_fail == "open",
-                        store_ttl_s=args.store_ttl, store_prefix=args.store_prefix)
+                        store_ttl_s=args.store_ttl, store_prefix=args.store_prefix,
+                        admin_hosts=tuple(h.strip() for h in args.admin_hosts.split(",") if h.strip()),
+                        metrics_token=metrics_token, log_key=log_key.encode() if log_key else None)
     try:
         asyncio.run(app.serve(settings, policy))
     except app.StartupError as exc:
@@ -90,8 +95,11 @@ def _cmd_envoy_config(args: argparse.Namespace) -> int:
     from extproc import bootstrap
 
     extproc = None if args.no_extproc else args.extproc
-    config = bootstrap.render(args.listen, args.admin, args.backend, extproc)
+    fail_open = args.fail == "open"
+    config = bootstrap.render(args.listen, args.admin, args.backend, extproc, fail_open=fail_open)
     target = "--no-extproc" if args.no_extproc else f"--extproc {args.extproc}"
+    if fail_open and not args.no_extproc:
+        target += " --fail open"
     command = (f"extproc envoy-config --listen {args.listen} --admin {args.admin} --backend {args.backend} "
                f"{target}")
     text = bootstrap.dump(config, header=f"# Generated from envoy/envoy.yaml (see the comments there) by:\n"
@@ -131,6 +139,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--admin-token-file", default=env("ADMIN_TOKEN_FILE", "") or None, metavar="PATH",
                        help="file holding the token the admin port requires (or env EXTPROC_ADMIN_TOKEN); "
                        "required when the admin port is not on loopback")
+    serve.add_argument("--admin-hosts", default=env("ADMIN_HOSTS", ""), metavar="NAME,...",
+                       help="host names the admin port also answers to (besides its address and "
+                       "loopback's); others are refused, against DNS rebinding (env EXTPROC_ADMIN_HOSTS)")
+    serve.add_argument("--metrics-token-file", default=env("METRICS_TOKEN_FILE", "") or None, metavar="PATH",
+                       help="file holding a token /metrics then requires (or env EXTPROC_METRICS_TOKEN); "
+                       "/healthz and /readyz stay open")
+    serve.add_argument("--log-key-file", default=env("LOG_KEY_FILE", "") or None, metavar="PATH",
+                       help="key for the hashes that stand in for credential-like header values in logs "
+                       "(or env EXTPROC_LOG_KEY); share it between replicas to join their logs; "
+                       "default: random per start")
     serve.add_argument("--watch-interval", type=float, default=float(env("WATCH_INTERVAL", "1")),
                        metavar="SECONDS", help="how often the policy file is checked for changes (0: only on "
                        "SIGHUP or POST /admin/reload; default %(default)s)")
@@ -173,6 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
     envoy.add_argument("--backend", type=_address, default=_address("127.0.0.1:8000"))
     envoy.add_argument("--extproc", type=_address, default=_address("127.0.0.1:50051"))
     envoy.add_argument("--no-extproc", action="store_true", help="leave the ext_proc filter out (a baseline)")
+    envoy.add_argument("--fail", choices=["closed", "open"], default="closed",
+                       help="while extproc is down: closed (default) answers new requests 503 with "
+                            "retry-after; open lets them through unadmitted. Running requests are never "
+                            "cut either way")
     envoy.add_argument("-o", "--output", help="write here instead of stdout")
     envoy.set_defaults(func=_cmd_envoy_config)
 

@@ -22,8 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from extproc import bootstrap
 from extproc.settings import Address
 
@@ -112,18 +110,18 @@ class Stack:
         return process
 
     def extproc(self, policy: Path | str, grpc: int, http: int, *extra: str, name: str = "extproc",
-                wait: bool = True, admin: int | None = None) -> Process:
+                wait: bool = True, admin: int | None = None, env: dict[str, str] | None = None) -> Process:
         admin_port = admin if admin is not None else free_port()
         process = self.start(name, [sys.executable, "-m", "extproc", "serve", "--policy", str(policy),
                                     "--grpc", f"127.0.0.1:{grpc}", "--http", f"127.0.0.1:{http}",
-                                    "--admin", f"127.0.0.1:{admin_port}", *extra])
+                                    "--admin", f"127.0.0.1:{admin_port}", *extra], env=env)
         if wait:
             self._wait(process, f"http://127.0.0.1:{http}/readyz")
         return process
 
     def envoy(self, config: dict[str, Any], name: str = "envoy", concurrency: int = 1) -> Process:
         path = self.workdir / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(config))
+        path.write_text(bootstrap.dump(config))
         admin = config["admin"]["address"]["socket_address"]["port_value"]
         process = self.start(name, [envoy_binary(), "-c", str(path), "--concurrency", str(concurrency),
                                     "--log-level", "warn", "--base-id", str(admin)])

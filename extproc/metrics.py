@@ -147,6 +147,11 @@ class Metrics:
             "extproc_stream_errors", "ext_proc streams that ended abnormally, by kind.", ["kind"],
             registry=registry,
         )
+        self.intake_rejections = Counter(
+            "extproc_intake_rejections", "Requests refused before classification, by reason (bad_request: a "
+            "header classification reads came twice; body_timeout; slow_bodies).", ["reason"],
+            registry=registry,
+        )
         self.slots_reclaimed = Counter(
             "extproc_slots_reclaimed", "Slots reclaimed by the lease backstop (their stream never ended).",
             registry=registry,

@@ -45,6 +45,12 @@ class Settings:
     store_ttl_s: float = 15.0
     """Lease lifetime: how long a dead replica's slots stay taken."""
     store_prefix: str = "extproc"
+    admin_hosts: tuple[str, ...] = ()
+    """Host names the admin port answers to besides its own address and loopback's (DNS rebinding)."""
+    metrics_token: str | None = None
+    """When set, /metrics needs ``Authorization: Bearer <token>`` (the health endpoints never do)."""
+    log_key: bytes | None = None
+    """Key of the hashes that stand in for credential-like values in logs (None: random per start)."""
 
     @property
     def admin_exposed(self) -> bool:
@@ -57,6 +63,40 @@ class Settings:
             return not ipaddress.ip_address(self.admin.host).is_loopback
         except ValueError:
             return True
+
+
+_LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+_WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def allowed_hosts(listen: Address, extra: tuple[str, ...] = ()) -> frozenset[str] | None:
+    """``Host`` header values a port listening on ``listen`` accepts (None: any).
+
+    Loopback names with the port, the listen address itself, and ``extra`` names (with or
+    without the port). A port on a wildcard address with no ``extra`` accepts any name: it is
+    reached by whatever address routes to it (and an admin port there needs a token anyway).
+    """
+    if listen.host in _WILDCARDS and not extra:
+        return None
+    port = listen.port
+    names = {*_LOOPBACK_NAMES, *extra}
+    if listen.host not in _WILDCARDS:
+        names.add(listen.host)
+    out: set[str] = set()
+    for name in names:
+        bare = name.strip("[]").lower()
+        shown = f"[{bare}]" if ":" in bare else bare
+        out.update({shown, f"{shown}:{port}"})
+    return frozenset(out)
 
 
 def env(name: str, default: str) -> str:

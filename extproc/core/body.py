@@ -6,12 +6,18 @@ is an error here; whatever cannot be read falls back to the policy's defaults.
 A complete body is parsed as JSON; a truncated prefix is scanned for the few
 fields that matter (``model``, ``max_tokens``), and its prompt size is taken
 from the declared content length.
+
+A body sent with ``Content-Encoding: gzip`` or ``deflate`` is inflated first, never
+to more than the policy's ``max_body_bytes`` (a 1 KB zip bomb inflates to at most
+that, then counts as cut short); other encodings are not read, and say so.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,8 +81,43 @@ def _from_json(doc: dict[str, Any]) -> BodyFacts:
     )
 
 
-def read_body(prefix: bytes, complete: bool, content_length: int | None = None) -> BodyFacts:
-    """Facts from a request body, or from the first part of it when ``complete`` is false."""
+#: Inflates an encoded body: gzip (or zlib) headers detected, or raw deflate.
+_WBITS = {"gzip": 47, "x-gzip": 47, "deflate": 15}
+
+
+def _inflate(data: bytes, encoding: str, limit: int) -> tuple[bytes, bool] | None:
+    """At most ``limit`` bytes of ``data`` decoded, and whether that is all of it (None: not decodable)."""
+    wbits = _WBITS[encoding]
+    for bits in (wbits, -15) if encoding == "deflate" else (wbits,):
+        inflater = zlib.decompressobj(bits)
+        try:
+            out = inflater.decompress(data, limit + 1)
+        except zlib.error:
+            continue
+        return out[:limit], inflater.eof and len(out) <= limit
+    return None
+
+
+def read_body(prefix: bytes, complete: bool, content_length: int | None = None, *,
+              encoding: str | None = None, limit: int = 1 << 20) -> BodyFacts:
+    """Facts from a request body, or from the first part of it when ``complete`` is false.
+
+    ``encoding`` is the request's ``Content-Encoding`` (lower case); ``limit`` bounds what an
+    encoded body may inflate to.
+    """
+    if encoding and encoding != "identity":
+        if encoding not in _WBITS:
+            return BodyFacts(prompt_chars=max(0, (content_length or len(prefix)) - _ENVELOPE_BYTES),
+                             note=f"body is {encoding[:32]}-encoded; not read")
+        inflated = _inflate(prefix, encoding, limit)
+        if inflated is None:
+            return BodyFacts(prompt_chars=len(prefix), note=f"body is not valid {encoding}")
+        plain, whole = inflated
+        facts = read_body(plain, complete and whole)
+        if complete and whole:
+            return facts
+        return BodyFacts(facts.model, facts.max_tokens, facts.prompt_chars, facts.prompt_tokens,
+                         f"{encoding} body read in part")
     if complete:
         try:
             doc = json.loads(prefix)
@@ -100,3 +141,18 @@ def read_body(prefix: bytes, complete: bool, content_length: int | None = None) 
         prompt_chars=max(0, total - _ENVELOPE_BYTES),
         note="body read in part",
     )
+
+
+def read_request_body(chunk: bytes, end_of_stream: bool, headers: Mapping[str, str], limit: int) -> BodyFacts:
+    """What the first body chunk Envoy hands over says, read as every path reads it.
+
+    ``headers`` are the request's (lower-case names): ``content-length`` tells a cut body's
+    full size, ``content-encoding`` how to decode it. At most ``limit`` bytes are parsed.
+    """
+    try:
+        content_length: int | None = int(headers.get("content-length", ""))
+    except ValueError:
+        content_length = None
+    encoding = headers.get("content-encoding", "").strip().lower() or None
+    complete = end_of_stream and len(chunk) <= limit
+    return read_body(chunk[:limit], complete, content_length, encoding=encoding, limit=limit)

@@ -3,18 +3,40 @@
 Only headers the policy lists in ``trusted_headers`` are ever looked at, so a
 client cannot pick its own lane or tenant with a header the policy did not
 choose to trust. Rules are tried in order; the first that matches wins.
+
+Rules see the path as a backend would route it: percent-decoded, dot segments
+resolved, slashes merged, query dropped. Envoy normalizes paths itself when its
+connection manager is told to (the shipped configs do); doing it here as well means
+``/v1/chat/%63ompletions`` cannot dodge a rule for ``/v1/chat/completions`` behind a
+gateway that does not.
 """
 
 from __future__ import annotations
 
+import posixpath
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from urllib.parse import unquote
 
 from extproc.policy.schema import Match, Policy
 
 #: The prefix of the headers extproc sets itself; a client's own are dropped unless trusted.
 HEADER_PREFIX = "x-extproc-"
+
+
+def normalize_path(raw: str) -> str:
+    """``raw`` (a request's ``:path``) as a backend routes it: no query or fragment, percent-decoded
+    once (escaped slashes too), dot segments resolved, repeated slashes merged; a trailing slash kept."""
+    path = raw.partition("?")[0].partition("#")[0]
+    if "%" in path:
+        path = unquote(path, errors="replace")
+    if "//" not in path and "/." not in path and path.startswith("/"):
+        return path
+    normal = posixpath.normpath("/" + path.lstrip("/"))
+    if path.endswith("/") and normal != "/":
+        normal += "/"
+    return "/" + normal.lstrip("/")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +88,7 @@ class Classifier:
             wanted = facts.headers.get(cls.lane_header, "").strip().lower()
             if wanted in self._lanes:
                 return Classification(wanted, tenant, "lane_header")
-        path = facts.path.split("?", 1)[0]
+        path = normalize_path(facts.path)
         for i, rule in enumerate(cls.rules):
             if self._matches(i, rule.match, facts, path, tenant):
                 return Classification(rule.lane, tenant, rule.name or f"rules[{i}]")

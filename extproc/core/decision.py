@@ -6,6 +6,7 @@ interface: add to them, never rename.
 
 from __future__ import annotations
 
+import json
 from enum import StrEnum
 
 
@@ -32,11 +33,19 @@ class Reason(StrEnum):
     """Shed because a cluster signal says the backend is saturated (the signal is named)."""
     RETRY_BUDGET = "retry_budget"
     """A retry beyond the retry budget: retries may only be a set share of admitted work."""
+    BAD_REQUEST = "bad_request"
+    """The request cannot be classified as sent (a header classification reads is repeated)."""
+    BODY_TIMEOUT = "body_timeout"
+    """The request announced a body and did not send it in time."""
+    SLOW_BODIES = "slow_bodies"
+    """The client already holds too many requests whose bodies are late."""
+    UNAVAILABLE = "unavailable"
+    """extproc cannot answer (down, stalled, overloaded): Envoy's admission gate says so, not extproc."""
 
     @property
     def http_status(self) -> int:
-        """429 asks the client to come back later; 503 says this replica is going away."""
-        return 503 if self is Reason.DRAINING else 429
+        """429 asks the client to come back later; 503 says this replica is going away or is down."""
+        return _STATUS.get(self, 429)
 
     @property
     def message(self) -> str:
@@ -53,4 +62,32 @@ _MESSAGES = {
     Reason.DRAINING: "This admission controller is shutting down.",
     Reason.SATURATED: "The inference cluster is saturated; this lane is shed until it recovers.",
     Reason.RETRY_BUDGET: "Too many retries: the retry budget is spent. Retrying now cannot help.",
+    Reason.BAD_REQUEST: "The request cannot be classified as sent.",
+    Reason.BODY_TIMEOUT: "The request body did not arrive in time.",
+    Reason.SLOW_BODIES: "Too many of this client's requests are waiting for their bodies.",
+    Reason.UNAVAILABLE: "The admission controller is unavailable; no new requests are admitted.",
 }
+_STATUS = {Reason.DRAINING: 503, Reason.UNAVAILABLE: 503, Reason.BAD_REQUEST: 400, Reason.BODY_TIMEOUT: 408}
+_TYPES = {429: "rate_limit_exceeded", 503: "service_unavailable"}
+
+
+def error_body(reason: Reason, lane: str | None, retry_after: int | None, signal: str | None = None,
+               detail: str | None = None) -> bytes:
+    """An OpenAI-style error document, so SDKs show a useful message and back off."""
+    message = reason.message
+    if detail:
+        message += f" {detail}"
+    if signal:
+        message += f" Signal: {signal}."
+    if retry_after is not None:
+        message += f" Retry after {retry_after} s."
+    doc = {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(reason.http_status, "invalid_request_error"),
+            "param": None,
+            "code": reason.value,
+            "lane": lane,
+        }
+    }
+    return json.dumps(doc, separators=(",", ":")).encode()

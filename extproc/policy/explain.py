@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from extproc.core.admission import Decision, Scheduler, State, Ticket
-from extproc.core.body import BodyFacts, read_body
-from extproc.core.classify import HEADER_PREFIX, Classifier, RequestFacts
+from extproc.core.body import BodyFacts, read_request_body
+from extproc.core.classify import HEADER_PREFIX, Classifier, RequestFacts, normalize_path
 from extproc.core.decision import Outcome, Reason
 from extproc.core.estimate import Estimator, Job
 from extproc.policy.loader import PolicyError, load_policy
@@ -195,13 +195,10 @@ def intake(policy: Policy, request: SampleRequest) -> Intake:
     # Envoy ends the stream on the headers when there is no body: nothing to read then.
     if request.body and policy.needs_body:
         limit = policy.estimation.max_body_bytes
-        try:
-            content_length: int | None = int(headers.get("content-length", ""))
-        except ValueError:
-            # A client sends one with its body and Envoy passes it on; the sample's own size is it.
-            content_length = len(request.body)
+        # A client sends a content-length with its body and Envoy passes it on; the sample's own size is it.
+        sent = {"content-length": str(len(request.body)), **headers}
         # Assumes the whole body reaches extproc in one chunk, as when it fits Envoy's buffer.
-        body = read_body(request.body[:limit], len(request.body) <= limit, content_length)
+        body = read_request_body(request.body, True, sent, limit)
         read = True
     elif request.body:
         why = f"not read: {why}"
@@ -275,7 +272,7 @@ def describe_match(match: Match) -> str:
 
 def _unmet(match: Match, facts: RequestFacts, tenant: str) -> list[str]:
     """The conditions of ``match`` that ``facts`` do not meet, in words."""
-    path = facts.path.split("?", 1)[0]
+    path = normalize_path(facts.path)
     out = []
     if match.path is not None and path != match.path:
         out.append(f"path {path} is not {match.path}")

@@ -161,6 +161,11 @@ class Estimation(_Strict):
     read_body: Literal["auto", "always", "never"] = "auto"
     """auto: read the JSON body only when a rule matches on models or costs differ per model."""
     max_body_bytes: Annotated[int, Field(ge=1024, le=64 * 1024 * 1024)] = 1024 * 1024
+    body_timeout: Annotated[Duration, Field(gt=0, le=600)] = 10.0
+    """How long a request whose body is read may take to send it (then 408 body_timeout)."""
+    max_slow_bodies: Annotated[int, Field(ge=0, le=1_000_000)] = 64
+    """Requests one client (source address) may have waiting more than a second for their body;
+    beyond it new ones get 429 slow_bodies (0: no cap)."""
     chars_per_token: Annotated[float, Field(gt=0, le=64)] = 4.0
     default_max_tokens: Annotated[int, Field(ge=1, le=10_000_000)] = 256
     model_header: HeaderName | None = None

@@ -4,6 +4,11 @@ It listens on loopback by default, on its own port that no Envoy route points at
 token is configured every endpoint needs ``Authorization: Bearer <token>``; extproc refuses
 to start with the admin port on a non-loopback address and no token.
 
+A browser is never a way in: every request must name an allowed ``Host`` (a page whose DNS
+name is rebound to 127.0.0.1 sends its own name, and reads nothing), a POST that carries a
+foreign ``Origin`` or says it is cross-site (``Sec-Fetch-Site``) is refused, and no CORS
+header is ever sent. Without a token, on loopback, any process on the host may read and act.
+
     GET  /admin/state                    the live state (what ``extproc top`` shows)
     POST /admin/reload                   read the policy file again (as SIGHUP does)
     POST /admin/drain                    stop admitting; queued requests get 503; in-flight ones finish
@@ -27,12 +32,36 @@ log = structlog.get_logger("extproc.admin")
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def _auth(token: str | None) -> Middleware:
+def guard(hosts: frozenset[str] | None) -> Middleware:
+    """Refuse a foreign ``Host`` (every method) and a foreign ``Origin`` or cross-site fetch (POSTs)."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: _Handler) -> web.StreamResponse:
+        host = request.headers.get("Host", "").lower()
+        if hosts is not None and host not in hosts:
+            log.warning("admin request with a foreign Host refused", host=host[:100], path=request.path)
+            return web.json_response({"error": "this port does not answer to that Host name"}, status=421)
+        if request.method not in ("GET", "HEAD"):
+            origin = request.headers.get("Origin")
+            site = request.headers.get("Sec-Fetch-Site", "")
+            named = origin.lower().partition("://")[2] if origin is not None else None
+            foreign = named is not None and (hosts is None or named not in hosts)
+            if foreign or site == "cross-site":
+                log.warning("cross-origin admin request refused", origin=(origin or "")[:100],
+                            path=request.path)
+                return web.json_response({"error": "cross-origin requests are refused"}, status=403)
+        return await handler(request)
+
+    return middleware
+
+
+def _auth(token: str | None, paths: frozenset[str] | None = None) -> Middleware:
+    """Require ``Authorization: Bearer <token>`` (on ``paths`` only, when given)."""
     expected = f"Bearer {token}".encode() if token else None
 
     @web.middleware
     async def middleware(request: web.Request, handler: _Handler) -> web.StreamResponse:
-        if expected is not None:
+        if expected is not None and (paths is None or request.path in paths):
             given = request.headers.get("Authorization", "").encode()
             if not hmac.compare_digest(given, expected):
                 return web.json_response({"error": "a valid 'Authorization: Bearer <token>' is required"},
@@ -42,7 +71,7 @@ def _auth(token: str | None) -> Middleware:
     return middleware
 
 
-def build_app(admin: Admin, token: str | None) -> web.Application:
+def build_app(admin: Admin, token: str | None, hosts: frozenset[str] | None = None) -> web.Application:
     async def state(_: web.Request) -> web.Response:
         return web.json_response(admin.state())
 
@@ -76,7 +105,7 @@ def build_app(admin: Admin, token: str | None) -> web.Application:
 
         return handler
 
-    app = web.Application(middlewares=[_auth(token)])
+    app = web.Application(middlewares=[guard(hosts), _auth(token)])
     app.router.add_get("/admin/state", state)
     app.router.add_post("/admin/reload", reload)
     app.router.add_post("/admin/drain", drain)

@@ -20,7 +20,8 @@ reliable "finished" signal, so the slot is released in ``finally``, once.
 
 from __future__ import annotations
 
-import json
+import asyncio
+import secrets
 import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
@@ -36,9 +37,10 @@ from google.protobuf.duration_pb2 import Duration
 
 from extproc.controller import Controller
 from extproc.core.admission import Decision, Ticket
-from extproc.core.body import BodyFacts, read_body
+from extproc.core.body import BodyFacts, read_request_body
 from extproc.core.classify import HEADER_PREFIX, Classification, Classifier, RequestFacts
-from extproc.core.decision import Outcome, Reason
+from extproc.core.decision import Outcome, Reason, error_body
+from extproc.core.redaction import Redactor
 from extproc.core.retry_budget import is_retry
 from extproc.core.saturation import Effect
 
@@ -50,10 +52,13 @@ _OVERWRITE = HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
 
 
 def _mode(request_body: ProcessingMode.BodySendMode.ValueType) -> ProcessingMode:
-    # Every field spelled out: Envoy replaces the whole mode with an override.
+    # Every field spelled out: Envoy replaces the whole mode with an override. Response headers
+    # are asked for here, per request, rather than in the filter's static mode: their status says
+    # whether a service time is worth learning from, while Envoy's own error replies to requests
+    # that never reached extproc (a malformed request's 400) must not wait on it.
     return ProcessingMode(
         request_header_mode=ProcessingMode.SEND,
-        response_header_mode=ProcessingMode.SKIP,
+        response_header_mode=ProcessingMode.SEND,
         request_body_mode=request_body,
         response_body_mode=ProcessingMode.NONE,
         request_trailer_mode=ProcessingMode.SKIP,
@@ -99,42 +104,107 @@ def _continue(common: pb.CommonResponse, remove: list[str],
         option.header.raw_value = value.encode()
 
 
-def _headers_of(message: pb.HttpHeaders) -> dict[str, str]:
+def _headers_of(message: pb.HttpHeaders) -> tuple[dict[str, str], list[str]]:
+    """The headers (lower-case names), and the names that came more than once."""
     out: dict[str, str] = {}
+    repeated: list[str] = []
     for h in message.headers.headers:
         raw = h.raw_value
         value = raw.decode("utf-8", "replace") if raw else h.value
         key = h.key.lower()
-        # Repeated headers are joined as HTTP allows; classification compares whole values.
-        out[key] = f"{out[key]},{value}" if key in out else value
-    return out
+        if key in out:
+            # Joined as HTTP allows; a header classification reads must not come twice (400).
+            out[key] = f"{out[key]},{value}"
+            repeated.append(key)
+        else:
+            out[key] = value
+    return out, repeated
 
 
-def error_body(reason: Reason, lane: str, retry_after: int | None, signal: str | None = None) -> bytes:
-    """An OpenAI-style error document, so SDKs show a useful message and back off."""
-    message = reason.message
-    if signal:
-        message += f" Signal: {signal}."
+def _status_of(message: pb.HttpHeaders) -> int | None:
+    for h in message.headers.headers:
+        if h.key == ":status":
+            try:
+                return int(h.raw_value or h.value)
+            except ValueError:
+                return None
+    return None
+
+
+def _client_of(request: pb.ProcessingRequest) -> str | None:
+    """The downstream address without its port (``request_attributes: [source.address]``), if sent."""
+    attributes = request.attributes.get("envoy.filters.http.ext_proc")
+    if attributes is None:
+        return None
+    value = attributes.fields.get("source.address")
+    if value is None or not value.string_value:
+        return None
+    host: str = value.string_value
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    return host.rpartition(":")[0] if host.count(":") == 1 else host
+
+
+def _immediate(reason: Reason, lane: str | None, retry_after: int | None, *, detail: str | None = None,
+               extra: Iterable[HeaderValueOption] = ()) -> pb.ProcessingResponse:
+    headers = [
+        _header("content-type", "application/json"),
+        _header("x-extproc-reason", reason.value),
+        *extra,
+    ]
+    if lane is not None:
+        headers.append(_header("x-extproc-lane", lane))
     if retry_after is not None:
-        message += f" Retry after {retry_after} s."
-    doc = {
-        "error": {
-            "message": message,
-            "type": "rate_limit_exceeded" if reason.http_status == 429 else "service_unavailable",
-            "param": None,
-            "code": reason.value,
-            "lane": lane,
-        }
-    }
-    return json.dumps(doc, separators=(",", ":")).encode()
+        headers.append(_header("retry-after", str(retry_after)))
+    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+        status=HttpStatus(code=reason.http_status),
+        headers=pb.HeaderMutation(set_headers=headers),
+        body=error_body(reason, lane, retry_after, detail=detail),
+        details=f"extproc_{reason.value}",
+    ))
+
+
+class SlowBodies:
+    """Requests waiting for their body, per client: a client that announces bodies and never sends
+    them must not hold streams (and memory) without bound."""
+
+    #: A body later than this counts as slow (a normal one arrives within milliseconds).
+    SLOW_S = 1.0
+
+    def __init__(self) -> None:
+        self._waiting: dict[str, dict[int, float]] = {}
+
+    def too_many(self, client: str | None, cap: int, now: float) -> bool:
+        if client is None or cap <= 0:
+            return False
+        waiting = self._waiting.get(client)
+        if waiting is None or len(waiting) < cap:
+            return False
+        return sum(1 for since in waiting.values() if now - since > self.SLOW_S) >= cap
+
+    def enter(self, client: str | None, key: int, now: float) -> None:
+        if client is not None:
+            self._waiting.setdefault(client, {})[key] = now
+
+    def leave(self, client: str | None, key: int) -> None:
+        if client is None:
+            return
+        waiting = self._waiting.get(client)
+        if waiting is not None:
+            waiting.pop(key, None)
+            if not waiting:
+                del self._waiting[client]
+
+    def __len__(self) -> int:
+        return sum(len(w) for w in self._waiting.values())
 
 
 class _Request:
     """One HTTP request's life on one ext_proc stream."""
 
     # One of these is made per request: slots spare it an instance __dict__.
-    __slots__ = ("arrival", "body", "cls", "content_length", "headers", "model", "outcome", "p", "reason",
-                 "remove", "request_id", "saturation", "shadow", "ticket")
+    __slots__ = ("arrival", "body", "client", "cls", "headers", "model", "outcome", "p", "reason",
+                 "remove", "request_id", "saturation", "shadow", "status", "ticket", "waiting_body")
 
     def __init__(self, processor: ExternalProcessor) -> None:
         self.p = processor
@@ -152,14 +222,20 @@ class _Request:
         self.shadow: Outcome | None = None
         self.saturation: Effect | None = None
         self.remove: list[str] = []
-        self.content_length: int | None = None
         #: Wall-clock arrival (epoch seconds): lets the decision log be replayed as a trace.
         self.arrival = 0.0
+        #: The response's HTTP status, once its headers came (None: they never did).
+        self.status: int | None = None
+        #: The downstream client's address (for the cap on slow bodies), when Envoy sends it.
+        self.client: str | None = None
+        #: Whether the body was asked for and has not come yet.
+        self.waiting_body = False
 
-    def on_headers(self, message: pb.HttpHeaders) -> pb.ProcessingResponse | None:
+    def on_headers(self, message: pb.HttpHeaders, client: str | None) -> pb.ProcessingResponse | None:
         """The answer to the request headers, or None when the request is to be decided on them."""
         self.arrival = time.time()
-        headers = _headers_of(message)
+        self.client = client
+        headers, repeated = _headers_of(message)
         trusted = self.p.classifier.trusted
         # Client-sent x-extproc-* headers are dropped before anything reads them, unless trusted.
         self.remove = [k for k in headers if k.startswith(HEADER_PREFIX) and not trusted(k)]
@@ -167,14 +243,18 @@ class _Request:
             del headers[key]
         self.headers = headers
         self.request_id = headers.get("x-request-id", "")
+        twice = [k for k in repeated if trusted(k)]
+        if twice:
+            # Never a merged tenant or lane ("acme,globex"): the client must say it once.
+            return self.refuse(Reason.BAD_REQUEST, f"Header {twice[0]!r} appears more than once.")
         policy = self.p.controller.policy
         model_header = policy.estimation.model_header
         self.model = headers.get(model_header) if model_header else None
-        try:
-            self.content_length = int(headers.get("content-length", ""))
-        except ValueError:
-            self.content_length = None
         if policy.needs_body and not message.end_of_stream:
+            estimation = policy.estimation
+            if self.p.slow.too_many(client, estimation.max_slow_bodies, self.p.controller.now()):
+                return self.refuse(Reason.SLOW_BODIES, None, retry_after=int(estimation.body_timeout) or 1)
+            self.waiting_body = True
             if not self.remove:
                 return _READ_BODY
             response = pb.ProcessingResponse(mode_override=BODY_MODE)
@@ -182,15 +262,25 @@ class _Request:
             return response
         return None
 
+    def refuse(self, reason: Reason, detail: str | None, retry_after: int | None = None
+               ) -> pb.ProcessingResponse:
+        """An answer that ends the request before it is classified (bad request, slow body)."""
+        self.outcome, self.reason = Outcome.REJECTED, reason
+        self.p.controller.metrics.intake_rejections.labels(reason.value).inc()
+        return _immediate(reason, None, retry_after, detail=detail)
+
+    def on_response_headers(self, message: pb.HttpHeaders) -> pb.ProcessingResponse:
+        self.status = _status_of(message)
+        return _RESPONSE_HEADERS_PASSTHROUGH
+
     def on_body(self, message: pb.HttpBody) -> pb.ProcessingResponse | None:
         """The answer to a body chunk, or None when the request is to be decided on this one."""
+        self.waiting_body = False
         if self.headers is None or self.ticket is not None or self.outcome is not None:
             # Later chunks (not expected with BUFFERED_PARTIAL) pass untouched.
             return _BODY_PASSTHROUGH
         limit = self.p.controller.policy.estimation.max_body_bytes
-        body = message.body
-        complete = message.end_of_stream and len(body) <= limit
-        self.body = read_body(body[:limit], complete, self.content_length)
+        self.body = read_request_body(message.body, message.end_of_stream, self.headers, limit)
         return None
 
     def decide(self) -> Decision:
@@ -249,45 +339,42 @@ class _Request:
 
     def _reject(self, decision: Decision) -> pb.ProcessingResponse:
         reason = decision.reason or Reason.QUEUE_FULL
-        lane = decision.ticket.lane
-        headers = [
-            _header("content-type", "application/json"),
-            _header("x-extproc-reason", reason.value),
-            _header("x-extproc-lane", lane),
-        ]
-        if decision.retry_after is not None:
-            headers.append(_header("retry-after", str(decision.retry_after)))
+        extra: list[HeaderValueOption] = []
         effect = decision.saturation
         signal = None
         if effect is not None:
             signal = effect.signal
-            headers.append(_header("x-extproc-signal", effect.signal or ""))
-            headers.append(_header("x-extproc-rule", effect.shed_by or ""))
+            extra.append(_header("x-extproc-signal", effect.signal or ""))
+            extra.append(_header("x-extproc-rule", effect.shed_by or ""))
         if reason in _NO_RETRY or not self.p.controller.permit_retry():
             # The OpenAI SDKs obey this: an immediate retry would meet the same answer, or the
             # retry budget has no room for it (telling the client saves it the attempt).
-            headers.append(_header("x-should-retry", "false"))
-        return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
-            status=HttpStatus(code=reason.http_status),
-            headers=pb.HeaderMutation(set_headers=headers),
-            body=error_body(reason, lane, decision.retry_after, signal),
-            details=f"extproc_{reason.value}",
-        ))
+            extra.append(_header("x-should-retry", "false"))
+        response = _immediate(reason, decision.ticket.lane, decision.retry_after, extra=extra)
+        if signal:
+            response.immediate_response.body = error_body(reason, decision.ticket.lane, decision.retry_after,
+                                                          signal)
+        return response
 
     def finish(self, *, aborted: bool) -> None:
         """Release the slot (exactly once) and write the request's one decision record."""
         ticket = self.ticket
         controller = self.p.controller
         service_ms: int | None = None
+        if self.waiting_body:
+            self.p.slow.leave(self.client, id(self))
+        status = self.status
         if ticket is not None:
             if ticket.admitted_at is not None and self.outcome is Outcome.ADMITTED:
                 service_ms = round((controller.now() - ticket.admitted_at) * 1000)
             elif self.outcome is None:
                 self.outcome = Outcome.CANCELLED
-            controller.release(ticket, learn=not aborted)
+            # Only a successful response's time says how long such a request takes: a 400 or a 500
+            # answered at once would teach the estimator that requests are nearly free.
+            controller.release(ticket, learn=not aborted and status is not None and 200 <= status < 300)
         if self.headers is None:
             return
-        if ticket is None and not aborted:
+        if ticket is None and not aborted and self.outcome is None:
             # The stream ended normally without a decision. Either the client went away before
             # its body came (harmless), or the filter ignored our body-mode override and the
             # request went upstream undecided: a steady count means allow_mode_override is off.
@@ -299,7 +386,7 @@ class _Request:
         fields: dict[str, Any] = {
             "request_id": self.request_id,
             "lane": cls.lane if cls else None,
-            "tenant": cls.tenant if cls else None,
+            "tenant": self.p.redactor.tenant(cls.tenant) if cls else None,
             "rule": cls.rule if cls else None,
             "outcome": self.outcome.value if self.outcome else "abandoned",
             "reason": self.reason.value if self.reason and self.shadow is None else None,
@@ -309,7 +396,9 @@ class _Request:
             "arrival": round(self.arrival, 3),
             "method": headers.get(":method", ""),
             "path": headers.get(":path", "").split("?", 1)[0],
-            "headers": {k: headers[k] for k in self.p.controller.policy.trusted_headers if k in headers},
+            "status": status,
+            # (credential-like values as keyed hashes: see core/redaction.py).
+            "headers": self.p.redactor.headers(headers, self.p.controller.policy.trusted_headers),
         }
         if ticket is not None:
             job = ticket.job
@@ -328,19 +417,28 @@ class _Request:
             fields["shadow_reason"] = self.reason.value if self.reason else None
         if self.body is not None and self.body.note:
             fields["body"] = self.body.note
+        if self.remove:
+            # Client-sent x-extproc-* headers extproc had to drop itself: a gateway that strips them
+            # first (the shipped configs do) never lets one through.
+            fields["stripped"] = self.remove
         self.p.log.info("decision", **fields)
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    def __init__(self, controller: Controller) -> None:
+    def __init__(self, controller: Controller, *, log_key: bytes | None = None) -> None:
         self.controller = controller
         self.classifier = Classifier(controller.policy)
+        self.slow = SlowBodies()
+        # One key for the process's life: a value hashes alike before and after a reload.
+        self._log_key = log_key or secrets.token_bytes(32)
+        self.redactor = Redactor(controller.policy, self._log_key)
         # A bound logger of our own (made after logging is configured): the module-level proxy
         # would resolve itself again on each of the one-per-request decision lines.
         self.log: structlog.typing.FilteringBoundLogger = log.bind()
 
     def reconfigure(self) -> None:
         self.classifier = Classifier(self.controller.policy)
+        self.redactor = Redactor(self.controller.policy, self._log_key)
 
     async def Process(
         self,
@@ -352,13 +450,32 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         request = _Request(self)
         controller = self.controller
         aborted = True
+        messages = aiter(request_iterator)
         try:
-            async for message in request_iterator:
+            while True:
+                if request.waiting_body:
+                    got = await self._body(request, messages)
+                    if got is None:
+                        if request.waiting_body:  # the body did not come in time
+                            yield request.refuse(Reason.BODY_TIMEOUT, None)
+                        break
+                    message = got
+                else:
+                    try:
+                        message = await anext(messages)
+                    except StopAsyncIteration:
+                        break
                 kind = message.WhichOneof("request")
                 if kind == "request_headers":
-                    response = request.on_headers(message.request_headers)
+                    response = request.on_headers(message.request_headers, _client_of(message))
+                    if request.waiting_body:
+                        self.slow.enter(request.client, id(request), controller.now())
                 elif kind == "request_body":
+                    if request.waiting_body:
+                        self.slow.leave(request.client, id(request))
                     response = request.on_body(message.request_body)
+                elif kind == "response_headers":
+                    response = request.on_response_headers(message.response_headers)
                 else:
                     response = _passthrough(kind)
                 if response is None:
@@ -387,6 +504,25 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
             # Runs on normal end, client reset (CancelledError) and errors alike.
             request.finish(aborted=aborted)
 
+    async def _body(self, request: _Request, messages: AsyncIterator[pb.ProcessingRequest]
+                    ) -> pb.ProcessingRequest | None:
+        """The next message while a body is awaited; None if the stream ended or the body is late
+        (then ``request.waiting_body`` is still true)."""
+        read = asyncio.ensure_future(anext(messages))
+        try:
+            done, _ = await asyncio.wait((read,), timeout=self.controller.policy.estimation.body_timeout)
+        except asyncio.CancelledError:
+            read.cancel()
+            raise
+        if not done:
+            read.cancel()
+            return None
+        try:
+            return read.result()
+        except StopAsyncIteration:
+            request.waiting_body = False
+            return None
+
 
 def _passthrough(kind: str | None) -> pb.ProcessingResponse:
     """An empty answer of the right kind for messages extproc does not act on (shared, never mutated)."""
@@ -408,3 +544,4 @@ def _empty_answer(kind: str | None) -> pb.ProcessingResponse:
 #: One prebuilt answer per message kind: ``kind`` is one of ProcessingRequest's few oneof names.
 _PASSTHROUGH: dict[str | None, pb.ProcessingResponse] = {}
 _BODY_PASSTHROUGH = _passthrough("request_body")
+_RESPONSE_HEADERS_PASSTHROUGH = _passthrough("response_headers")

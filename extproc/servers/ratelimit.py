@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import secrets
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
@@ -52,6 +53,7 @@ from prometheus_client.registry import Collector
 from extproc.controller import Controller
 from extproc.core.budget import Budget, Rate, Verdict
 from extproc.core.classify import Classifier, RequestFacts
+from extproc.core.redaction import Redactor
 from extproc.core.retry import retry_after
 from extproc.metrics import Children
 from extproc.policy.ratelimit import RateLimit, TenantLimit
@@ -336,9 +338,10 @@ class RateLimitMetrics:
 class _Edge:
     """What one policy needs at the edge, built once per policy."""
 
-    def __init__(self, policy: Policy) -> None:
+    def __init__(self, policy: Policy, log_key: bytes) -> None:
         self.policy = policy
         self.classifier = Classifier(policy)
+        self.redactor = Redactor(policy, log_key)
         self.model_header = policy.estimation.model_header
         self.lanes_by_name = {lane.name: lane for lane in policy.lanes}
         weights, default = policy.tenants.weights, policy.tenants.default_weight
@@ -379,7 +382,7 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
 
     def __init__(self, pressure: Pressure, metrics: RateLimitMetrics, config: Callable[[], RateLimit], *,
                  clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None,
-                 permit_retry: Callable[[], bool] | None = None) -> None:
+                 permit_retry: Callable[[], bool] | None = None, log_key: bytes | None = None) -> None:
         self.pressure = pressure
         #: Reserves a retry in ext_proc's retry budget for a shed that lets its client retry;
         #: False (no room) makes the shed say x-should-retry: false.
@@ -389,6 +392,7 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
         self.now = clock
         self._rng = rng or random.Random()
         self._edge: _Edge | None = None
+        self._log_key = log_key or secrets.token_bytes(32)
         max_tenants = config().budgets.max_tenants
         self.requests = Budget(max_tenants)
         self.tokens = Budget(max_tenants)
@@ -430,7 +434,7 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
                 self._charge_usage(edge, config, entries, hits, now)
             elif kind == config.request_descriptor:
                 judgement = self._judge(edge, config, entries, hits if explicit or hits else 1, now)
-                self._count(judgement)
+                self._count(judgement, edge)
                 if judgement.shadow:
                     if judgement.over:
                         # The access log shows it: %DYNAMIC_METADATA(envoy.filters.http.ratelimit:shadow)%.
@@ -452,7 +456,7 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
     def _edge_of(self, policy: Policy) -> _Edge:
         edge = self._edge
         if edge is None or edge.policy is not policy:
-            edge = self._edge = _Edge(policy)
+            edge = self._edge = _Edge(policy, self._log_key)
         return edge
 
     def _judge(self, edge: _Edge, config: RateLimit, entries: Mapping[str, str], hits: int,
@@ -509,13 +513,13 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
         if limits.tokens is not None:
             self.tokens.charge(tenant, rate_of(limits.tokens, limits), tokens, now)
 
-    def _count(self, judgement: Judgement) -> None:
+    def _count(self, judgement: Judgement, edge: _Edge) -> None:
         reason = judgement.reason
         code = "over_limit" if judgement.over else "ok"
         self.metrics.decisions_of(judgement.lane, code, reason.value if reason else "none",
                                   "true" if judgement.shadow else "false").inc()
         if judgement.over:
-            self.log.info("edge_shed", lane=judgement.lane, tenant=judgement.tenant,
+            self.log.info("edge_shed", lane=judgement.lane, tenant=edge.redactor.tenant(judgement.tenant),
                           reason=reason.value if reason else None, shadow=judgement.shadow)
 
     def _ignore(self, kind: str, value: str) -> None:

@@ -66,6 +66,8 @@ async def _attempt(session: aiohttp.ClientSession, url: str, request: Request, s
     """
     body = json.dumps(request.body()).encode()
     headers = {"content-type": "application/json", "x-stainless-retry-count": str(retry), **request.headers}
+    if request.key is not None:
+        headers["authorization"] = f"Bearer {request.key}"
     async with session.post(url + request.path, data=body, headers=headers) as response:
         hdrs = {k.lower(): v for k, v in response.headers.items()}
         if response.status != 200:

@@ -111,7 +111,10 @@ def fifo_policy(policy: Policy, max_queued: int | None = None) -> Policy:
 
 def _facts(request: Request, policy: Policy) -> tuple[RequestFacts, bool]:
     """What the live service would know of this request, and whether it would read its body."""
+    # What extproc sees behind the gateway: the client's headers, then what the gateway derived from
+    # its key (the gateway strips client x-extproc-* headers first; the live intake drops untrusted ones).
     headers = {k.lower(): v for k, v in request.headers.items()}
+    headers.update((k.lower(), v) for k, v in request.gateway.items())
     model_header = policy.estimation.model_header
     model = headers.get(model_header) if model_header else None
     reads_body = policy.needs_body

@@ -71,7 +71,11 @@ class TrafficClass(_Strict):
     headers: dict[str, str] = Field(default_factory=dict)
     tenants: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=lambda: {"default": 1.0})
     """Tenant name → relative rate."""
-    tenant_header: str = "x-tenant-id"
+    keys: dict[str, str] = Field(default_factory=dict)
+    """Tenant name → the API key its clients present (``Authorization: Bearer <key>``). The gateway
+    maps the key to the tenant and sets ``tenant_header`` itself; a tenant without a key sends
+    ``tenant_header`` as a plain client header (which a gateway that strips it ignores)."""
+    tenant_header: str = "x-extproc-client"
     lengths: Lengths | None = None
     slo: Slo = Field(default_factory=Slo)
     stream: bool = True
@@ -108,8 +112,13 @@ class Request:
     output_tokens: int
     path: str = "/v1/chat/completions"
     headers: dict[str, str] = field(default_factory=dict)
+    """What the client sends (besides its key)."""
     stream: bool = True
     model: str = "sim-model"
+    key: str | None = None
+    """The API key the client presents, if any."""
+    gateway: dict[str, str] = field(default_factory=dict)
+    """Headers the gateway sets from the key (what extproc then sees; the simulator applies them)."""
 
     @property
     def is_long(self) -> bool:
@@ -191,10 +200,14 @@ def generate(spec: WorkloadSpec, duration: float, seed: int) -> list[Request]:
         tenant = _pick(cls.tenants, rng)
         prompt, output = _lengths(cls.lengths or spec.lengths, rng)
         headers = dict(cls.headers)
-        if len(cls.tenants) > 1 or "default" not in cls.tenants:
+        key = cls.keys.get(tenant)
+        gateway: dict[str, str] = {}
+        if key is not None:
+            gateway[cls.tenant_header] = tenant
+        elif len(cls.tenants) > 1 or "default" not in cls.tenants:
             headers[cls.tenant_header] = tenant
         out.append(Request(len(out), t, cls.name, tenant, prompt, output, cls.path, headers, cls.stream,
-                           spec.model))
+                           spec.model, key, gateway))
 
 
 def retry_delay(client: Client, attempt: int, status: int | None, headers: dict[str, str],

@@ -17,6 +17,14 @@ from extproc.localstack import Stack, envoy_config, free_port, stack
 from tests.integration.kueue_exporter import Exporter
 
 UPSTREAM = Path(__file__).with_name("upstream.py")
+#: The demo API keys in envoy/envoy.yaml's api_key_auth filter: key -> client name (the tenant the
+#: gateway vouches for, forwarded as x-extproc-client).
+DEMO_KEYS = {"acme": "sk-demo-acme", "globex": "sk-demo-globex", "free": "sk-demo-free"}
+
+
+def as_tenant(tenant: str) -> dict[str, str]:
+    """Request headers that make the gateway vouch for ``tenant`` (its demo API key)."""
+    return {"authorization": f"Bearer {DEMO_KEYS[tenant]}"}
 
 
 def metric(url: str, name: str, **labels: str) -> float:

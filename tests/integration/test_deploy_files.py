@@ -43,10 +43,13 @@ def test_envoy_without_extproc_validates_and_has_nothing_that_calls_it(tmp_path:
     config = bootstrap.render(Address("127.0.0.1", 10000), Address("127.0.0.1", 9901),
                               Address("127.0.0.1", 8000), None)
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    assert [f["name"] for f in hcm["http_filters"]] == ["envoy.filters.http.router"]
+    # The gateway's own work stays (the strip, API keys); nothing that asks or needs extproc does.
+    assert [f["name"] for f in hcm["http_filters"]] == [
+        bootstrap.STRIP_FILTER, bootstrap.API_KEY_FILTER, "envoy.filters.http.router"]
+    assert "local_reply_config" not in hcm
     assert [c["name"] for c in config["static_resources"]["clusters"]] == ["inference_backend"]
     for route in hcm["route_config"]["virtual_hosts"][0]["routes"]:
-        assert "typed_per_filter_config" not in route
+        assert set(route.get("typed_per_filter_config", {})) <= {bootstrap.API_KEY_FILTER}
     path = tmp_path / "baseline.yaml"
     path.write_text(yaml.safe_dump(config))
     result = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path)],
@@ -60,11 +63,51 @@ def _shipped() -> tuple[dict[str, Any], dict[str, Any]]:
     return config, hcm
 
 
-def test_ratelimit_filter_runs_first_and_agrees_with_the_policy_defaults() -> None:
-    config, hcm = _shipped()
+def test_filter_order_strip_keys_edge_admission_gate() -> None:
+    _, hcm = _shipped()
     names = [f["name"] for f in hcm["http_filters"]]
-    assert names == [bootstrap.RATELIMIT_FILTER, bootstrap.EXT_PROC_FILTER, "envoy.filters.http.router"]
-    ratelimit = hcm["http_filters"][0]["typed_config"]
+    assert names == [bootstrap.STRIP_FILTER, bootstrap.API_KEY_FILTER, bootstrap.RATELIMIT_FILTER,
+                     bootstrap.EXT_PROC_FILTER, bootstrap.GATE_FILTER, "envoy.filters.http.router"]
+    ext_proc = hcm["http_filters"][3]["typed_config"]
+    # Fail-open: a running response never depends on extproc; the gate keeps new ones fail-closed.
+    assert ext_proc["failure_mode_allow"] is True
+    gate = hcm["http_filters"][4]["typed_config"]["rules"]
+    assert gate["action"] == "DENY"
+    (principal,) = gate["policies"]["extproc-not-admitted"]["principals"]
+    assert principal == {"not_id": {"header": {"name": "x-extproc-lane", "present_match": True}}}
+    (mapper,) = hcm["local_reply_config"]["mappers"]
+    assert bootstrap.GATE_DENIAL in mapper["filter"]["extension_filter"]["typed_config"]["expression"]
+
+
+def test_the_gates_503_is_extprocs_own_unavailable_answer() -> None:
+    from extproc.core.decision import Reason, error_body
+
+    _, hcm = _shipped()
+    (mapper,) = hcm["local_reply_config"]["mappers"]
+    headers = {h["header"]["key"]: h["header"]["value"] for h in mapper["headers_to_add"]}
+    assert mapper["status_code"] == Reason.UNAVAILABLE.http_status == 503
+    assert headers["x-extproc-reason"] == Reason.UNAVAILABLE.value
+    assert mapper["body"]["inline_string"].encode() == error_body(
+        Reason.UNAVAILABLE, None, int(headers["retry-after"]))
+
+
+def test_fail_open_rendering_drops_only_the_gate() -> None:
+    shipped = bootstrap.render(Address("127.0.0.1", 1), Address("127.0.0.1", 2), Address("127.0.0.1", 3),
+                               Address("127.0.0.1", 4))
+    open_ = bootstrap.render(Address("127.0.0.1", 1), Address("127.0.0.1", 2), Address("127.0.0.1", 3),
+                             Address("127.0.0.1", 4), fail_open=True)
+    hcm = lambda c: c["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]  # noqa: E731
+    names = [f["name"] for f in hcm(open_)["http_filters"]]
+    assert bootstrap.GATE_FILTER not in names
+    assert "local_reply_config" not in hcm(open_)
+    shipped_names = [f["name"] for f in hcm(shipped)["http_filters"]]
+    assert [n for n in shipped_names if n != bootstrap.GATE_FILTER] == names
+
+
+def test_ratelimit_filter_agrees_with_the_policy_defaults() -> None:
+    config, hcm = _shipped()
+    filters = {f["name"]: f["typed_config"] for f in hcm["http_filters"]}
+    ratelimit = filters[bootstrap.RATELIMIT_FILTER]
     defaults = RateLimit()
     assert ratelimit["domain"] == defaults.domain
     # ext_proc behind it still decides every request: the edge may fail open.
@@ -84,8 +127,11 @@ def test_inference_route_sends_what_the_rate_limit_service_reads() -> None:
     routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
     health = next(r for r in routes if r["match"].get("path") == "/health")
     assert health["typed_per_filter_config"]["envoy.filters.http.ratelimit"]["disabled"] is True
-    inference = next(r for r in routes if r["match"].get("prefix") == "/")
-    rate_limits = inference["typed_per_filter_config"]["envoy.filters.http.ratelimit"]["rate_limits"]
+    inference = [r for r in routes if r["match"].get("prefix") == "/"]
+    assert [r["name"] for r in inference] == ["inference-keyed", "inference"]
+    edge = [r["typed_per_filter_config"]["envoy.filters.http.ratelimit"] for r in inference]
+    assert edge[0] == edge[1]
+    rate_limits = edge[0]["rate_limits"]
     kinds = {}
     for limit in rate_limits:
         generic = next(a["generic_key"]["descriptor_value"] for a in limit["actions"] if "generic_key" in a)

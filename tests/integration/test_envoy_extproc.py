@@ -10,11 +10,12 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
-from tests.integration.conftest import Env, start_env
+from tests.integration.conftest import Env, as_tenant, start_env
 
 pytestmark = pytest.mark.envoy
 
@@ -36,13 +37,13 @@ lanes:
     max_queued: 4
     deadline: 2s
 capacity: {max_hold: 60s}
-trusted_headers: [x-tenant-id]
+trusted_headers: [x-extproc-client]
 classification:
   default_lane: best-effort
   rules:
     - {match: {path_prefix: /interactive}, lane: interactive}
     - {match: {path_prefix: /tight}, lane: tight}
-tenants: {header: x-tenant-id, default: anon}
+tenants: {header: x-extproc-client, default: anon}
 estimation:
   default: {prefill_ms_per_token: 0, decode_ms_per_token: 1, overhead_ms: 10}
   default_max_tokens: 100
@@ -84,7 +85,7 @@ def post(env: Env, path: str, body: object = None, *, delay_ms: int = 0, timeout
 
 
 def test_admit_adds_headers_upstream(env: Env) -> None:
-    r = post(env, "/interactive/v1/chat/completions", headers={"x-tenant-id": "acme"})
+    r = post(env, "/interactive/v1/chat/completions", headers=as_tenant("acme"))
     assert r.status_code == 200
     seen = r.json()["headers"]
     assert seen["x-extproc-lane"] == "interactive"
@@ -230,17 +231,37 @@ def test_metrics_and_health(env: Env) -> None:
 
 
 TRUSTING = POLICY.replace(
-    "trusted_headers: [x-tenant-id]", "trusted_headers: [x-tenant-id, x-extproc-lane]"
+    "trusted_headers: [x-extproc-client]", "trusted_headers: [x-extproc-client, x-extproc-lane]"
 ).replace("default_lane: best-effort", "default_lane: best-effort\n  lane_header: x-extproc-lane")
 
 
-def test_trusted_lane_header_is_honoured(tmp_path: Path) -> None:
+def _gateway_sets_lane(config: dict[str, Any]) -> None:
+    """A gateway that derives the lane itself (here from x-gw-lane, standing in for an authenticated
+    claim) and sets it after the strip of client x-extproc-* headers."""
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    filters = hcm["http_filters"]
+    strip = next(i for i, f in enumerate(filters) if f["name"] == "extproc.strip_client_headers")
+    filters.insert(strip + 1, {
+        "name": "gateway-lane",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+            "mutations": {"request_mutations": [{"append": {
+                "header": {"key": "x-extproc-lane", "value": "%REQ(x-gw-lane)%"},
+                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}}]},
+        },
+    })
+
+
+def test_a_lane_header_the_gateway_sets_is_honoured_and_a_client_copy_is_not(tmp_path: Path) -> None:
     policy = tmp_path / "policy.yaml"
     policy.write_text(TRUSTING)
-    stack, env = start_env(tmp_path, policy)
+    stack, env = start_env(tmp_path, policy, tweak=_gateway_sets_lane)
     try:
-        r = post(env, "/other", headers={"x-extproc-lane": "interactive"})
+        r = post(env, "/other", headers={"x-gw-lane": "interactive"})
         assert r.json()["headers"]["x-extproc-lane"] == "interactive"
+        # The client's own x-extproc-lane is gone before the gateway (or extproc) reads anything.
+        r = post(env, "/other", headers={"x-extproc-lane": "interactive"})
+        assert r.json()["headers"]["x-extproc-lane"] == "best-effort"
     finally:
         stack.stop()
 
@@ -324,7 +345,7 @@ def test_observed_service_times_teach_the_estimate(make_env: Callable[..., Env])
 
 def test_decision_log_replays_in_the_simulator(env: Env, tmp_path: Path) -> None:
     for i in range(5):
-        r = post(env, f"/interactive/{i}", chat(max_tokens=40), headers={"x-tenant-id": "acme"})
+        r = post(env, f"/interactive/{i}", chat(max_tokens=40), headers=as_tenant("acme"))
         assert r.status_code == 200
     extproc = next(p for p in env.stack.processes if p.name == "extproc")
     # A request's record is written when its ext_proc stream ends, just after the response.
@@ -339,7 +360,7 @@ def test_decision_log_replays_in_the_simulator(env: Env, tmp_path: Path) -> None
     last = records[-1]
     assert last["path"] == "/interactive/4"
     assert last["method"] == "POST"
-    assert last["headers"] == {"x-tenant-id": "acme"}  # trusted headers only
+    assert last["headers"] == {"x-extproc-client": "acme"}  # trusted headers only
     assert last["output_tokens"] == 40
     log_file = tmp_path / "decisions.log"
     log_file.write_text(log_text)

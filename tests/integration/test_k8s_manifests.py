@@ -49,6 +49,7 @@ import pytest
 import redis
 import yaml
 
+from extproc import bootstrap
 from extproc.localstack import ROOT, Stack, envoy_binary, free_port, wait_http
 from extproc.policy import load_policy
 from extproc.policy.schema import Policy
@@ -83,6 +84,11 @@ HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_mana
 EXT_PROC = "envoy.filters.http.ext_proc"
 RATELIMIT = "envoy.filters.http.ratelimit"
 ROUTER = "envoy.filters.http.router"
+STRIP = bootstrap.STRIP_FILTER
+GATE = bootstrap.GATE_FILTER
+#: In envoy/envoy.yaml only: the local demo's API keys. In the mesh, a tenant comes from a JWT
+#: claim (RequestAuthentication outputClaimToHeaders), set after the strip.
+API_KEYS = bootstrap.API_KEY_FILTER
 Doc = dict[str, Any]
 Rendered = dict[str, list[Doc]]
 PROMQL_WORDS = {"and", "or", "unless", "by", "without", "on", "ignoring", "group_left", "group_right",
@@ -192,11 +198,12 @@ def shipped_ext_proc() -> Doc:
     return shipped_filter(EXT_PROC)
 
 
-def shipped_route(match: Doc) -> Doc:
-    """The per-filter configs of envoy/envoy.yaml's route with this match."""
+def shipped_route(name: str) -> Doc:
+    """The per-filter configs of envoy/envoy.yaml's route called ``name``, less the API keys'
+    (which the mesh does not have)."""
     [vhost] = shipped_hcm()["route_config"]["virtual_hosts"]
-    per_filter: Doc = next(r for r in vhost["routes"] if r["match"] == match)["typed_per_filter_config"]
-    return per_filter
+    per_filter: Doc = next(r for r in vhost["routes"] if r["name"] == name)["typed_per_filter_config"]
+    return {key: value for key, value in per_filter.items() if key != API_KEYS}
 
 
 # --- building and schemas -------------------------------------------------------------------
@@ -780,9 +787,41 @@ def test_envoyfilters_cover_gateway_and_sidecar_with_the_shipped_ext_proc_config
     assert contexts == {"GATEWAY", "SIDECAR_INBOUND"}
     for f in of_kind(rendered["gateway"] + rendered["sidecar"], "EnvoyFilter"):
         for patch in f["spec"]["configPatches"]:
-            if patch["applyTo"] == "HTTP_FILTER":
+            if patch["applyTo"] != "HTTP_FILTER":
+                continue
+            if patch["patch"]["value"]["name"] == STRIP:
+                # First of all, before Istio's own filters read any header.
+                assert patch["patch"]["operation"] == "INSERT_FIRST"
+                assert "subFilter" not in patch["match"]["listener"]["filterChain"]["filter"]
+            else:
                 assert patch["patch"]["operation"] == "INSERT_BEFORE"
                 assert patch["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"] == ROUTER
+
+
+@pytest.mark.parametrize("name", [STRIP, GATE])
+def test_envoyfilters_carry_the_shipped_strip_and_gate(rendered: Rendered, name: str) -> None:
+    expected = shipped_filter(name)
+    contexts = set()
+    for overlay in WIRED:
+        patches = filter_patches(rendered[overlay], name)
+        assert patches, f"{overlay}: no {name} in its EnvoyFilters"
+        for context, value in patches:
+            contexts.add(context)
+            assert value["typed_config"] == expected, f"{overlay}: {name} drifted from envoy/envoy.yaml"
+    assert contexts == {"GATEWAY", "SIDECAR_INBOUND"}
+
+
+def test_envoyfilters_set_the_shipped_connection_manager_fields(rendered: Rendered) -> None:
+    """Path normalization, underscore headers and the gate's 503 do not depend on MeshConfig."""
+    shipped = shipped_hcm()
+    wanted = ("stream_idle_timeout", "normalize_path", "merge_slashes", "path_with_escaped_slashes_action",
+              "common_http_protocol_options", "local_reply_config")
+    for overlay in WIRED:
+        merges = [p["patch"]["value"]["typed_config"] for f in of_kind(rendered[overlay], "EnvoyFilter")
+                  for p in f["spec"]["configPatches"] if p["applyTo"] == "NETWORK_FILTER"]
+        assert len(merges) == 1, overlay
+        (merge,) = merges
+        assert {key: merge.get(key) for key in wanted} == {key: shipped[key] for key in wanted}, overlay
 
 
 def test_envoyfilters_carry_the_shipped_ratelimit_filter_failing_open(rendered: Rendered) -> None:
@@ -813,13 +852,15 @@ def test_the_edge_shed_runs_before_ext_proc(rendered: Rendered) -> None:
     for (_, name), envoyfilter in filters.items():
         patches = [p for p in envoyfilter["spec"]["configPatches"] if p["applyTo"] == "HTTP_FILTER"]
         # Istio inserts INSERT_BEFORE patches in the order listed: the ratelimit patch comes first.
-        assert [p["patch"]["value"]["name"] for p in patches] == [RATELIMIT, EXT_PROC], name
-        shed, admit = patches
-        assert shed["match"] == admit["match"], f"{name}: the two filters must land on the same listeners"
+        assert [p["patch"]["value"]["name"] for p in patches] == [STRIP, RATELIMIT, EXT_PROC, GATE], name
+        _, shed, admit, gate = patches
+        assert shed["match"] == admit["match"] == gate["match"], \
+            f"{name}: the filters must land on the same listeners"
         assert shed["patch"]["operation"] == admit["patch"]["operation"] == "INSERT_BEFORE"
-        # Applied the way Istio applies them, the chain is envoy/envoy.yaml's.
+        # Applied the way Istio applies them, the chain is envoy/envoy.yaml's (less the demo's keys).
         chain = [f["name"] for f in bootstrap_hcm(envoy_bootstrap(envoyfilter))["http_filters"]]
-        assert chain == [RATELIMIT, EXT_PROC, ROUTER] == [f["name"] for f in shipped_hcm()["http_filters"]]
+        shipped = [f["name"] for f in shipped_hcm()["http_filters"] if f["name"] != API_KEYS]
+        assert chain == [STRIP, RATELIMIT, EXT_PROC, GATE, ROUTER] == shipped
 
 
 def ratelimit_problems(docs: list[Doc], policy: Policy) -> list[str]:
@@ -882,7 +923,7 @@ def test_the_edge_shed_check_follows_the_policy(rendered: Rendered) -> None:
 
     assert problems() == []
     assert problems(ratelimit={"mode": "shadow"}) == []
-    assert problems(trusted_headers=["x-tenant-id"]) == []
+    assert problems(trusted_headers=["x-extproc-client"]) == []
     [domain] = problems(ratelimit={"domain": "gpu"})
     assert "domain 'extproc', but the policy's ratelimit.domain is 'gpu'" in domain
     [request] = problems(ratelimit={"request_descriptor": "arrivals"})
@@ -895,9 +936,9 @@ def test_the_edge_shed_check_follows_the_policy(rendered: Rendered) -> None:
 
 def test_health_routes_skip_both_filters_and_inference_routes_are_shed_and_never_time_out(
         rendered: Rendered) -> None:
-    health = shipped_route({"path": "/health"})
-    shed = shipped_route({"prefix": "/"})
-    assert set(health) == {RATELIMIT, EXT_PROC}
+    health = shipped_route("health")
+    shed = shipped_route("inference-keyed")
+    assert set(health) == {RATELIMIT, EXT_PROC, GATE}
     assert set(shed) == {RATELIMIT}
     docs = rendered["gateway"]
     routes = {r["name"]: r for r in one(docs, "VirtualService", "inference")["spec"]["http"]}
@@ -965,8 +1006,11 @@ def envoy_bootstrap(envoyfilter: dict[str, Any]) -> Doc:
         apply_to, operation = patch["applyTo"], patch["patch"]["operation"]
         value = copy.deepcopy(patch["patch"]["value"])
         if apply_to == "HTTP_FILTER":
-            assert operation == "INSERT_BEFORE"
-            http_filters.append(value)
+            assert operation in ("INSERT_BEFORE", "INSERT_FIRST")
+            if operation == "INSERT_FIRST":
+                http_filters.insert(0, value)
+            else:
+                http_filters.append(value)
             for name in _grpc_clusters(value["typed_config"]):
                 clusters[name] = _static_cluster(name, 50051, http2=True)
         elif apply_to == "NETWORK_FILTER":
@@ -1018,7 +1062,7 @@ def test_every_envoyfilter_patch_validates_with_the_real_envoy(
         bootstrap = envoy_bootstrap(envoyfilter)
         # What is validated includes the edge shed: its filter and the descriptors on a route.
         hcm = bootstrap_hcm(bootstrap)
-        assert {RATELIMIT, EXT_PROC} <= {f["name"] for f in hcm["http_filters"]}
+        assert {STRIP, RATELIMIT, EXT_PROC, GATE} <= {f["name"] for f in hcm["http_filters"]}
         per_route = [r.get("typed_per_filter_config", {}).get(RATELIMIT, {})
                      for r in hcm["route_config"]["virtual_hosts"][0]["routes"]]
         assert any(c.get("rate_limits") for c in per_route), name

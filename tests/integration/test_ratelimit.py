@@ -31,15 +31,16 @@ from extproc.policy import Policy
 from extproc.policy.ratelimit import RateLimit
 from extproc.servers.extproc import ExternalProcessor
 from extproc.servers.ratelimit import ControllerPressure, RateLimitMetrics, RateLimitService, add_to_server
+from tests.integration.conftest import as_tenant
 
 pytestmark = pytest.mark.envoy
 
 POLICY = Policy.model_validate({
     "lanes": [{"name": "interactive", "max_inflight": 1, "max_queued": 1, "deadline": "20s"}],
     "capacity": {"max_hold": "60s"},
-    "trusted_headers": ["x-tenant-id"],
+    "trusted_headers": ["x-extproc-client"],
     "classification": {"default_lane": "interactive"},
-    "tenants": {"header": "x-tenant-id", "default": "anon"},
+    "tenants": {"header": "x-extproc-client", "default": "anon"},
     "retry_after": {"min": 1, "max": 30, "jitter": 0},
 })
 CHAT = {"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]}
@@ -212,7 +213,7 @@ async def test_shadow_mode_passes_everything_and_counts(make_edge: MakeEdge) -> 
     edge = await make_edge(RateLimit.model_validate({"mode": "shadow",
                                                      "budgets": {"default": {"requests": 1}}}))
     async with httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
-        responses = [await client.post("/v1/chat/completions", json=CHAT, headers={"x-tenant-id": "acme"})
+        responses = [await client.post("/v1/chat/completions", json=CHAT, headers=as_tenant("acme"))
                      for _ in range(3)]
     assert [r.status_code for r in responses] == [200, 200, 200]
     for r in responses:
@@ -232,9 +233,9 @@ async def test_shadow_mode_passes_everything_and_counts(make_edge: MakeEdge) -> 
 async def test_tenant_request_budget_runs_out(make_edge: MakeEdge) -> None:
     edge = await make_edge(budgets(requests=2, per="minute"))
     async with httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
-        acme = [await client.post("/v1/chat/completions", json=CHAT, headers={"x-tenant-id": "acme"})
+        acme = [await client.post("/v1/chat/completions", json=CHAT, headers=as_tenant("acme"))
                 for _ in range(3)]
-        globex = await client.post("/v1/chat/completions", json=CHAT, headers={"x-tenant-id": "globex"})
+        globex = await client.post("/v1/chat/completions", json=CHAT, headers=as_tenant("globex"))
     assert [r.status_code for r in acme] == [200, 200, 429]
     # The tightest limit, with its window and name (draft 03 quota policy syntax).
     assert acme[0].headers["x-ratelimit-limit"] == '2, 2;w=60;name="tenant_requests"'
@@ -251,12 +252,12 @@ async def test_tokens_reported_at_stream_end_spend_the_tenant_token_budget(make_
     edge = await make_edge(budgets(tokens=100, per="minute"))
     async with httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
         first = await client.post("/v1/chat/completions", json=CHAT,
-                                  headers={"x-tenant-id": "acme", "x-test-usage": "500"})
+                                  headers={**as_tenant("acme"), "x-test-usage": "500"})
         assert first.status_code == 200
         # Envoy reports the usage after the response, in a second call at stream end.
         await until(lambda: edge.sample("extproc_ratelimit_usage_tokens_total") == 500, "the usage report")
-        refused = await client.post("/v1/chat/completions", json=CHAT, headers={"x-tenant-id": "acme"})
-        other = await client.post("/v1/chat/completions", json=CHAT, headers={"x-tenant-id": "globex"})
+        refused = await client.post("/v1/chat/completions", json=CHAT, headers=as_tenant("acme"))
+        other = await client.post("/v1/chat/completions", json=CHAT, headers=as_tenant("globex"))
     assert refused.status_code == 429
     assert refused.headers["x-extproc-reason"] == "tenant_token_budget"
     assert refused.headers["x-ratelimit-limit"] == '100, 100;w=60;name="tenant_tokens"'

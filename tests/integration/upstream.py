@@ -1,7 +1,8 @@
 """A small real upstream for integration tests: echoes what it received, slowly if asked.
 
 Run as ``python tests/integration/upstream.py PORT``. Behaviour per request:
-``x-test-delay-ms`` delays the answer; path ``/reset`` closes the connection without
+``x-test-delay-ms`` delays the answer; ``x-test-status`` sets its status; ``x-test-stream:
+N:MS`` streams N chunks MS apart (a generation); path ``/reset`` closes the connection without
 answering (an upstream reset); ``/stats`` reports the highest concurrency seen and resets it.
 """
 
@@ -32,8 +33,21 @@ async def echo(request: web.Request) -> web.StreamResponse:
             assert request.transport is not None
             request.transport.abort()
             return web.Response(status=500)
-        return web.json_response({
+        stream = request.headers.get("x-test-stream")
+        if stream:
+            chunks, _, gap = stream.partition(":")
+            response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+            await response.prepare(request)
+            for i in range(int(chunks)):
+                if i:
+                    await asyncio.sleep(float(gap or 0) / 1000)
+                await response.write(f"data: {i}\n\n".encode())
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
+        return web.json_response(status=int(request.headers.get("x-test-status", "200")), data={
             "path": request.path_qs,
+            "raw_path": request.raw_path,
             "method": request.method,
             "headers": {k.lower(): v for k, v in request.headers.items()},
             "body_bytes": size,

@@ -210,3 +210,66 @@ def test_invalid_utf8_in_truncated_model() -> None:
 def test_utf8_model_in_truncated_body() -> None:
     facts = read_body('{"model": "mod\u00e8le-\u00fc", "messages": ['.encode(), complete=False)
     assert facts.model == "mod\u00e8le-\u00fc"
+
+
+# --- encoded bodies ---------------------------------------------------------------------------
+
+CHAT = {"model": "llama-3.1-70b", "max_tokens": 77, "messages": [{"role": "user", "content": "hi" * 50}]}
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "x-gzip", "deflate"])
+def test_gzip_and_deflate_bodies_are_inflated(encoding: str) -> None:
+    import gzip
+    import zlib
+
+    raw = body(CHAT)
+    packed = gzip.compress(raw) if "gzip" in encoding else zlib.compress(raw)
+    facts = read_body(packed, complete=True, content_length=len(packed), encoding=encoding)
+    assert facts == read_body(raw, complete=True)
+    assert (facts.model, facts.max_tokens, facts.note) == ("llama-3.1-70b", 77, "")
+
+
+def test_raw_deflate_is_read_too() -> None:
+    import zlib
+
+    packer = zlib.compressobj(wbits=-15)
+    packed = packer.compress(body(CHAT)) + packer.flush()
+    assert read_body(packed, complete=True, encoding="deflate").max_tokens == 77
+
+
+def test_a_zip_bomb_inflates_to_the_limit_and_no_further() -> None:
+    import gzip
+
+    # 64 MiB of zeros after the fields that matter: about 64 KB compressed.
+    bomb = gzip.compress(b'{"model": "m", "max_tokens": 5, "prompt": "' + b"0" * (64 << 20) + b'"}')
+    assert len(bomb) < 100_000
+    started = time.process_time()
+    facts = read_body(bomb, complete=True, content_length=len(bomb), encoding="gzip", limit=1 << 20)
+    assert time.process_time() - started < 1.0
+    assert (facts.model, facts.max_tokens) == ("m", 5)
+    assert facts.note == "gzip body read in part"
+    assert facts.prompt_chars <= 1 << 20
+
+
+def test_a_cut_gzip_body_is_read_as_far_as_it_goes() -> None:
+    import gzip
+
+    packed = gzip.compress(body(CHAT))
+    facts = read_body(packed[: len(packed) // 2], complete=False, content_length=len(packed), encoding="gzip")
+    assert facts.model == "llama-3.1-70b"
+    assert facts.note == "gzip body read in part"
+
+
+@pytest.mark.parametrize(("encoding", "data", "note"), [
+    ("gzip", b"not gzip at all", "body is not valid gzip"),
+    ("br", b"\x1b\x03", "body is br-encoded; not read"),
+    ("zstd", b"(\xb5/\xfd", "body is zstd-encoded; not read"),
+])
+def test_other_or_broken_encodings_fall_back_with_a_reason(encoding: str, data: bytes, note: str) -> None:
+    facts = read_body(data, complete=True, content_length=len(data), encoding=encoding)
+    assert facts.note == note
+    assert (facts.model, facts.max_tokens) == (None, None)
+
+
+def test_identity_is_plain() -> None:
+    assert read_body(body(CHAT), complete=True, encoding="identity").max_tokens == 77

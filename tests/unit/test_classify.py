@@ -231,10 +231,44 @@ def test_example_policy_classification() -> None:
 
     policy = load_policy(Path(__file__).resolve().parents[2] / "examples" / "policy.yaml")
     classifier = Classifier(policy)
-    chat = classifier.classify(facts("/v1/chat/completions", headers={"x-tenant-id": "acme"}))
+    chat = classifier.classify(facts("/v1/chat/completions", headers={"x-extproc-client": "acme"}))
     assert (chat.lane, chat.tenant, chat.rule) == ("interactive", "acme", "chat")
     assert lane_of(classifier, path="/v1/chat/completions", method="GET") == "best-effort"
     assert lane_of(classifier, path="/v1/batches/abc") == "batch"
     assert lane_of(classifier, path="/v1/completions") == "batch"
-    assert lane_of(classifier, path="/v1/chat/completions", headers={"x-extproc-lane": "batch"}) == "batch"
+    # Safe by default: a client's own lane or tenant header is read by nothing.
+    assert lane_of(classifier, path="/v1/completions", headers={"x-extproc-lane": "interactive"}) == "batch"
+    assert classifier.classify(facts(headers={"x-tenant-id": "acme"})).tenant == "anonymous"
     assert classifier.classify(facts()).tenant == "anonymous"
+
+
+@pytest.mark.parametrize(("raw", "normal"), [
+    ("/v1/chat/completions", "/v1/chat/completions"),
+    ("/v1/chat/%63ompletions", "/v1/chat/completions"),
+    ("//v1/chat/completions", "/v1/chat/completions"),
+    ("/v1/./chat/completions", "/v1/chat/completions"),
+    ("/v1/chat/../chat/completions", "/v1/chat/completions"),
+    ("/v1/%2e%2e/v1/chat/completions", "/v1/chat/completions"),
+    ("/v1%2Fchat%2Fcompletions", "/v1/chat/completions"),
+    ("/v1/chat/completions?stream=1#x", "/v1/chat/completions"),
+    ("/v1/batches/", "/v1/batches/"),
+    ("/../../etc", "/etc"),
+    ("", "/"),
+    # Decoded once, as a backend decodes it: %252F stays an escaped slash.
+    ("/a%252Fb", "/a%2Fb"),
+])
+def test_paths_are_classified_as_a_backend_routes_them(raw: str, normal: str) -> None:
+    from extproc.core.classify import normalize_path
+
+    assert normalize_path(raw) == normal
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/%63ompletions", "//v1/chat/completions", "/v1/./chat/completions",
+                                  "/v1/x/../chat/completions", "/v1%2Fchat/completions"])
+def test_an_encoded_path_cannot_dodge_a_rule(path: str) -> None:
+    from pathlib import Path
+
+    from extproc.policy import load_policy
+
+    classifier = Classifier(load_policy(Path(__file__).resolve().parents[2] / "examples" / "policy.yaml"))
+    assert lane_of(classifier, path=path) == "interactive"

@@ -51,8 +51,10 @@ def test_example_policy_loads() -> None:
     assert policy.lane("best-effort").evictable
     assert policy.total_capacity == 14
     assert policy.capacity.max_hold == 300.0
-    assert policy.trusted_headers == ("x-tenant-id", "x-extproc-lane")
-    assert policy.classification.lane_header == "x-extproc-lane"
+    # Safe by default: only the header the gateway sets from a client's API key.
+    assert policy.trusted_headers == ("x-extproc-client",)
+    assert policy.tenants.header == "x-extproc-client"
+    assert policy.classification.lane_header is None
     assert [rule.name for rule in policy.classification.rules] == ["batch-api", "chat", "completions"]
     assert policy.tenants.weights == {"acme": 3.0, "globex": 1.0}
     assert policy.estimation.models["llama-3.1-70b"].decode_ms_per_token == 30.0

@@ -83,6 +83,7 @@ def test_example_policy_against_demo_policy() -> None:
         "rule batch-api removed (it sent path under /v1/batches to batch)",
         "rule chat: match.methods: removed POST",
         "rule completions: match.methods: removed POST",
+        "rule free-tier added as rules[0] (tenant free → best-effort)",
     ]
     assert ("estimation.models.llama-3.1-70b removed (was {prefill_ms_per_token 0.08, "
             "decode_ms_per_token 30, overhead_ms 30})") in by_section["estimation"]
@@ -110,7 +111,7 @@ def test_demo_policy_against_single_lane() -> None:
     ]
     assert "classification.default_lane best-effort → default" in texts
     assert "rule chat removed (it sent path /v1/chat/completions to interactive)" in texts
-    assert "trusted_headers: removed x-tenant-id, x-extproc-lane" in texts
+    assert "trusted_headers: removed x-extproc-client" in texts
     assert "tenants.weights.acme removed (was 3)" in texts
     assert "queueing.sjf_weight 4 → 0 (−100%)" in texts
     assert "request bodies are no longer read (every request is sized as default_max_tokens)" in texts
@@ -128,7 +129,7 @@ def test_a_policy_against_itself_has_no_changes(name: str, capsys: pytest.Captur
 
 def test_same_meaning_written_differently_is_no_change(tmp_path: Path) -> None:
     data = example_data("policy.yaml")
-    data["trusted_headers"] = ["X-Extproc-Lane", "x-tenant-id"]  # other order and case
+    data["trusted_headers"] = ["X-Extproc-Client"]  # other case
     lane(data, "interactive")["deadline"] = "10000ms"
     data["capacity"]["max_hold"] = "5m"
     other = tmp_path / "other.yaml"
@@ -380,7 +381,7 @@ def test_command_text_and_exit_code(capsys: pytest.CaptureFixture[str]) -> None:
     a, b = str(EXAMPLES / "policy.yaml"), str(EXAMPLES / "demo-policy.yaml")
     code, out, _ = run([a, b], capsys)
     assert code == 1
-    assert out.startswith(f"{a} → {b}: 25 changes\n\nlanes\n  interactive: max_inflight 8 → 50 (+525%)\n")
+    assert out.startswith(f"{a} → {b}: 26 changes\n\nlanes\n  interactive: max_inflight 8 → 50 (+525%)\n")
     assert "\nrisks\n  ! interactive: deadline cut from 10s to 1s" in out
 
 

@@ -59,16 +59,16 @@ def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, 
 
 def test_chat_request_on_the_example_policy() -> None:
     policy = example("policy.yaml")
-    request = sample_request(path="/v1/chat/completions", headers=["X-Tenant-Id: acme"], body=CHAT_BODY)
+    request = sample_request(path="/v1/chat/completions", headers=["X-Extproc-Client: acme"], body=CHAT_BODY)
     expl = ex.explain(policy, request, source="examples/policy.yaml")
 
     view = expl.classification
     assert (view.lane, view.rule, view.rule_index, view.tenant) == ("interactive", "chat", 1, "acme")
-    assert view.lane_header == "x-extproc-lane not sent, so the rules decide"
+    assert view.lane_header is None  # the example policy trusts no lane header
     assert [(c.name, c.lane, c.matched) for c in view.checks] == [
         ("batch-api", "batch", False), ("chat", "interactive", True)]
     assert view.checks[0].why == ("path /v1/chat/completions is not under /v1/batches",)
-    assert (view.tenant_weight, view.tenant_from) == (3, "header x-tenant-id")
+    assert (view.tenant_weight, view.tenant_from) == (3, "header x-extproc-client")
     assert view.weight_from == "tenants.weights"
 
     est = expl.estimate
@@ -84,13 +84,13 @@ def test_chat_request_on_the_example_policy() -> None:
            "/v1/batches" in text
     assert "rule 1 chat (→ interactive; path /v1/chat/completions, method POST): MATCH" in text
     assert "rules after chat are not tried: the first match wins" in text
-    assert "tenant    acme from header x-tenant-id; weight 3 (tenants.weights)" in text
+    assert "tenant    acme from header x-extproc-client; weight 3 (tenants.weights)" in text
     assert "30 ms overhead + 9 × 0.08 ms prefill + 200 × 30 ms decode × 1.00 slowdown = 6031 ms" in text
 
 
 def test_default_scenarios_on_the_example_policy() -> None:
     policy = example("policy.yaml")
-    request = sample_request(path="/v1/chat/completions", headers=["x-tenant-id: acme"], body=CHAT_BODY)
+    request = sample_request(path="/v1/chat/completions", headers=["x-extproc-client: acme"], body=CHAT_BODY)
     idle, at_limit, busy, full = ex.explain(policy, request).scenarios
 
     assert (idle.name, idle.reached, idle.outcome, idle.borrowed) == ("idle", {}, Outcome.ADMITTED, False)
@@ -132,7 +132,7 @@ def test_example_policy_queue_full_with_small_fill_requests() -> None:
 
 def test_demo_policy_interactive_does_not_borrow() -> None:
     policy = example("demo-policy.yaml")
-    request = sample_request(path="/v1/chat/completions", headers=["x-tenant-id: globex"],
+    request = sample_request(path="/v1/chat/completions", headers=["x-extproc-client: globex"],
                              body='{"max_tokens": 50, "messages": [{"role": "user", "content": "hi"}]}')
     expl = ex.explain(policy, request)
     assert (expl.classification.rule, expl.classification.lane) == ("chat", "interactive")
@@ -150,8 +150,8 @@ def test_demo_policy_interactive_does_not_borrow() -> None:
 def test_demo_policy_completions_go_to_batch_after_chat_does_not_match() -> None:
     expl = ex.explain(example("demo-policy.yaml"), sample_request(path="/v1/completions"))
     view = expl.classification
-    assert (view.lane, view.rule, view.rule_index) == ("batch", "completions", 1)
-    assert view.checks[0].why == ("path /v1/completions is not /v1/chat/completions",)
+    assert (view.lane, view.rule, view.rule_index) == ("batch", "completions", 2)
+    assert view.checks[1].why == ("path /v1/completions is not /v1/chat/completions",)
     assert "lane      batch: priority 50, 10 in flight, 512 queued, deadline 8s, may borrow up to 6" \
         in ex.render(expl)
 
@@ -186,8 +186,16 @@ def test_single_lane_policy_reads_no_body_and_trusts_no_header() -> None:
 # -- classification details ---------------------------------------------------------------------------
 
 
+def with_lane_header(policy: Policy) -> Policy:
+    """The policy, trusting x-extproc-lane (set by a gateway after the strip) as its lane header."""
+    data = policy.model_dump()
+    data["trusted_headers"] = [*data["trusted_headers"], "x-extproc-lane"]
+    data["classification"]["lane_header"] = "x-extproc-lane"
+    return Policy.model_validate(data)
+
+
 def test_trusted_lane_header_decides_before_the_rules() -> None:
-    expl = ex.explain(example("policy.yaml"), sample_request(path="/v1/chat/completions",
+    expl = ex.explain(with_lane_header(example("policy.yaml")), sample_request(path="/v1/chat/completions",
                                                              headers=["x-extproc-lane: batch"]))
     view = expl.classification
     assert (view.lane, view.rule, view.rule_index, view.checks) == ("batch", "lane_header", None, ())
@@ -195,7 +203,7 @@ def test_trusted_lane_header_decides_before_the_rules() -> None:
 
 
 def test_lane_header_naming_no_lane_leaves_it_to_the_rules() -> None:
-    expl = ex.explain(example("policy.yaml"), sample_request(path="/v1/other", method="get",
+    expl = ex.explain(with_lane_header(example("policy.yaml")), sample_request(path="/v1/other", method="get",
                                                              headers=["x-extproc-lane: gold"]))
     view = expl.classification
     assert view.lane_header == ("x-extproc-lane: 'gold' names no lane (lanes: interactive, batch, "
@@ -307,7 +315,7 @@ def _live(policy: Policy, request: ex.SampleRequest) -> tuple[Classification, Jo
     if request.body:
         pairs.append(("content-length", str(len(request.body))))
     headers = HeaderMap(headers=[HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs])
-    if live.on_headers(pb.HttpHeaders(headers=headers, end_of_stream=not request.body)) is not None:
+    if live.on_headers(pb.HttpHeaders(headers=headers, end_of_stream=not request.body), None) is not None:
         assert live.on_body(pb.HttpBody(body=request.body or b"", end_of_stream=True)) is None
     decision = live.decide()
     assert live.cls is not None
@@ -315,11 +323,14 @@ def _live(policy: Policy, request: ex.SampleRequest) -> tuple[Classification, Jo
 
 
 @pytest.mark.parametrize(("policy_file", "argv"), [
+    ("policy.yaml", {"path": "/v1/chat/completions", "headers": ["x-extproc-client: acme"],
+                     "body": CHAT_BODY}),
     ("policy.yaml", {"path": "/v1/chat/completions", "headers": ["x-tenant-id: acme"], "body": CHAT_BODY}),
     ("policy.yaml", {"path": "/v1/batches/x", "headers": ["x-extproc-foo: 1"], "body": "not json"}),
     ("policy.yaml", {"path": "/v1/x", "headers": ["x-extproc-lane: interactive"], "method": "GET"}),
     ("policy.yaml", {"path": "/v1/completions", "body": '{"prompt": [1, 2, 3], "max_tokens": 9}'}),
-    ("demo-policy.yaml", {"path": "/v1/completions", "headers": ["x-tenant-id: globex"],
+    ("demo-policy.yaml", {"path": "/v1/chat/completions", "headers": ["x-extproc-client: free"]}),
+    ("demo-policy.yaml", {"path": "/v1/completions", "headers": ["x-extproc-client: globex"],
                           "body": '{"model": "m", "max_tokens": 40, "prompt": "hello there"}'}),
     ("single-lane.yaml", {"path": "/v1/chat/completions", "body": CHAT_BODY}),
 ])

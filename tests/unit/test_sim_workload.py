@@ -84,7 +84,9 @@ def test_class_and_tenant_shares() -> None:
     assert len(interactive) / len(requests) == pytest.approx(0.75, abs=0.02)
     acme = sum(r.tenant == "acme" for r in interactive) / len(interactive)
     assert acme == pytest.approx(0.9, abs=0.02)
-    assert interactive[0].headers["x-tenant-id"] in ("acme", "globex")
+    assert interactive[0].headers["x-extproc-client"] in ("acme", "globex")
+    assert interactive[0].key is None
+    assert interactive[0].gateway == {}
     batch = next(r for r in requests if r.cls == "batch")
     assert "prompt" in batch.body()
     assert "messages" not in batch.body()
@@ -119,3 +121,17 @@ def test_retry_delay_mimics_the_openai_sdk() -> None:
     assert retry_delay(client, 1, 429, {"x-should-retry": "false"}, rng) is None
     assert retry_delay(client, 1, None, {}, rng) is not None
     assert retry_delay(Client(kind="none"), 1, 429, {}, rng) is None
+
+
+def test_tenants_with_keys_present_them_and_the_gateway_names_the_tenant() -> None:
+    s = WorkloadSpec(arrivals=Arrivals(rate=50), classes=(
+        TrafficClass(name="interactive", tenants={"acme": 1, "globex": 1},
+                     keys={"acme": "sk-a", "globex": "sk-g"}),
+        TrafficClass(name="free", tenants={"free": 1}, keys={"free": "sk-f"}),
+    ))
+    requests = generate(s, duration=20, seed=1)
+    for r in requests:
+        assert r.key == {"acme": "sk-a", "globex": "sk-g", "free": "sk-f"}[r.tenant]
+        # The client sends only its key; the gateway derives the tenant header from it.
+        assert "x-extproc-client" not in r.headers
+        assert r.gateway == {"x-extproc-client": r.tenant}

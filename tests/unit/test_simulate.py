@@ -119,8 +119,8 @@ def test_tenant_shares_follow_weights_when_contended() -> None:
         {
             "lanes": [{"name": "a", "max_inflight": 4, "max_queued": 1000, "deadline": "200s"}],
             "classification": {"default_lane": "a"},
-            "trusted_headers": ["x-tenant-id"],
-            "tenants": {"header": "x-tenant-id", "weights": {"big": 3, "small": 1}},
+            "trusted_headers": ["x-extproc-client"],
+            "tenants": {"header": "x-extproc-client", "weights": {"big": 3, "small": 1}},
             "estimation": {"default": {"decode_ms_per_token": 1, "overhead_ms": 0}, "learning_rate": 0},
             "queueing": {"sjf_weight": 0},
         }
