@@ -15,6 +15,7 @@ import contextlib
 import random
 import time
 from collections.abc import Callable, Coroutine, Iterable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -30,6 +31,10 @@ from extproc.policy.schema import Policy
 from extproc.state import GlobalView, LaneLimits, Ledger, Limits
 
 log = structlog.get_logger("extproc")
+
+#: Backoff of a lane the shared ledger refused: from this, doubling while refusals repeat, up to the max.
+_RETRY_MIN_S = 0.05
+_RETRY_MAX_S = 2.0
 
 
 class Controller:
@@ -62,6 +67,13 @@ class Controller:
         self._sync_wake = asyncio.Event()
         self._sync_task: asyncio.Task[None] | None = None
         self._freed: set[str] = set()
+        #: Lanes the ledger refused, and when each may ask again (backoff with jitter: a refusal
+        #: must never turn into a loop of grants and refusals).
+        self._retry_at: dict[str, float] = {}
+        self._refusals: dict[str, int] = {}
+        self._rng = rng or random.Random()
+        #: Slots the ledger granted, per lane (what in flight means with a shared ledger).
+        self._leased_by_lane: dict[str, int] = {}
         #: Converts scheduler ranks (this clock) to epoch seconds, comparable across replicas.
         self._epoch_offset = time.time() - clock()
         self.view: GlobalView | None = None
@@ -72,7 +84,15 @@ class Controller:
         return self.scheduler.policy
 
     def lanes(self) -> dict[str, LaneView]:
-        return self.scheduler.snapshot(self.now())
+        """Every lane's view. With a shared ledger a request counts in flight once the ledger granted
+        its slot, not while it waits for the verdict (which may refuse it): the gauges then never
+        show more than the ledger holds."""
+        views = self.scheduler.snapshot(self.now())
+        if self.ledger is None:
+            return views
+        leased = self._leased_by_lane
+        return {name: view if view.shadow else replace(view, inflight=leased.get(name, 0))
+                for name, view in views.items()}
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -206,6 +226,7 @@ class Controller:
             self.metrics.decisions_of(ticket.lane, Outcome.CANCELLED.value).inc()
         self._settle(self.scheduler.release(ticket, now, learn=learn))
         if self._leased.pop(ticket.id, None) is not None:
+            self._count_lease(ticket.lane, -1)
             self._spawn(self._give_back(ticket))
         if self.ledger is not None:
             self._sync_wake.set()
@@ -231,7 +252,8 @@ class Controller:
             self._record_now(decision)
             return decision
         rank = self.scheduler.rank(ticket) + self._epoch_offset
-        verdict = await ledger.acquire(ticket.lane, self._lease(ticket), self._limits, rank)
+        lane = ticket.lane
+        verdict = await ledger.acquire(lane, self._lease(ticket), self._limits, rank)
         if ticket.state is not State.INFLIGHT:
             # The client left while the ledger answered: release() has run; give the slot back.
             if verdict:
@@ -239,14 +261,30 @@ class Controller:
             return decision
         if verdict:
             self._leased[ticket.id] = ticket
+            self._count_lease(lane, 1)
+            self._refusals.pop(lane, None)
+            self._retry_at.pop(lane, None)
             self._record_now(decision)
             return decision
         self.metrics.ledger_refusals.labels(ticket.lane, verdict.value).inc()
+        # The lane asks again when a slot frees (a wake-up), or after a backoff that doubles while
+        # refusals repeat (jittered, so replicas refused together do not come back together).
+        streak = self._refusals.get(lane, 0)
+        self._refusals[lane] = streak + 1
+        backoff = min(_RETRY_MIN_S * 2 ** min(streak, 8), _RETRY_MAX_S)
+        self._retry_at[lane] = self.now() + backoff * self._rng.uniform(0.5, 1.5)
         requeued = self.scheduler.requeue(ticket, self.now())
         self._waiters[ticket.id] = asyncio.get_running_loop().create_future()
         self._sync_wake.set()
         self._wake.set()
         return requeued
+
+    def _count_lease(self, lane: str, delta: int) -> None:
+        left = self._leased_by_lane.get(lane, 0) + delta
+        if left:
+            self._leased_by_lane[lane] = left
+        else:
+            self._leased_by_lane.pop(lane, None)
 
     def _lease(self, ticket: Ticket) -> str:
         assert self.ledger is not None
@@ -301,9 +339,18 @@ class Controller:
         mine: dict[str, int] = {}
         for ticket in self._leased.values():
             mine[ticket.lane] = mine.get(ticket.lane, 0) + 1
-        if view.degraded:
-            others_inflight: dict[str, int] = {}
+        total: int | None = None
+        alone = ledger.alone(self._limits) if view.degraded else None
+        if alone is not None:
+            # The store is unreachable: decide as the ledger will, on this replica's share alone, as
+            # if the other replicas held every slot beyond it. (Deciding on the full limits would
+            # admit what the ledger then refuses, again and again.)
+            others_inflight = {lane.name: max(0, lane.max_inflight - alone.lane(lane.name).max_inflight)
+                               for lane in self._limits.lanes}
             others_queued: dict[str, int] = {}
+            total = max(0, self._limits.capacity - alone.capacity)
+        elif view.degraded:
+            others_inflight, others_queued = {}, {}
         else:
             others_inflight = {lane: n - mine.get(lane, 0) for lane, n in view.inflight.items()}
             # Queue counts are read after publishing ours: the rest is the other replicas'.
@@ -312,11 +359,14 @@ class Controller:
                              for lane, n in view.queued.items()}
         now = self.now()
         freed, self._freed = self._freed, set()
-        self._settle(scheduler.set_others(others_inflight, others_queued, now))
+        self._settle(scheduler.set_others(others_inflight, others_queued, now, total))
         if freed or scheduler.blocked:
-            # A slot freed somewhere (or the periodic sync: the ledger's view is fresh) —
-            # lanes refused before may try again.
-            self._settle(scheduler.unblock(now))
+            # Lanes refused before may try again where a slot freed (any lane's slot may be lent),
+            # or once their backoff is over.
+            due = set(scheduler.blocked) if freed else {
+                lane for lane in scheduler.blocked if self._retry_at.get(lane, 0.0) <= now}
+            if due:
+                self._settle(scheduler.unblock(now, due))
         self._update_idle()
 
     # -- internals --------------------------------------------------------------------

@@ -206,12 +206,16 @@ class Scheduler:
 
     # -- several replicas ---------------------------------------------------------
 
-    def set_others(self, inflight: Mapping[str, int], queued: Mapping[str, int], now: float
-                   ) -> list[Decision]:
-        """What the other replicas hold and queue per lane (from the shared store); admits what fits."""
+    def set_others(self, inflight: Mapping[str, int], queued: Mapping[str, int], now: float,
+                   total: int | None = None) -> list[Decision]:
+        """What the other replicas hold and queue per lane (from the shared store); admits what fits.
+
+        ``total``: the slots of the whole capacity they hold, when not the sum over lanes (while the
+        store is unreachable the others are taken to hold everything beyond this replica's share).
+        """
         self._others_inflight = {lane: n for lane, n in inflight.items() if n > 0}
         self._others_queued = {lane: n for lane, n in queued.items() if n > 0}
-        self._others_total = sum(self._others_inflight.values())
+        self._others_total = sum(self._others_inflight.values()) if total is None else max(total, 0)
         return self._dispatch(now)
 
     def unblock(self, now: float, lanes: set[str] | None = None) -> list[Decision]:

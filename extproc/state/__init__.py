@@ -75,6 +75,25 @@ class LaneLimits:
     """Cap on borrowed slots (None: as many as are free and not owed)."""
 
 
+def fill(held: list[int], room: int) -> list[int]:
+    """``held`` topped up with ``room`` more, always to the lowest first (water-filling); ties go
+    to the earliest in the list. The result adds up to ``sum(held) + room``."""
+    caps = list(held)
+    while room > 0:
+        low = min(caps)
+        lows = [i for i, cap in enumerate(caps) if cap == low]
+        above = min((cap for cap in caps if cap > low), default=None)
+        step = room // len(lows) if above is None else min(above - low, room // len(lows))
+        if step == 0:
+            for i in lows[:room]:
+                caps[i] += 1
+            return caps
+        for i in lows:
+            caps[i] += step
+        room -= step * len(lows)
+    return caps
+
+
 def _part(total: int, position: int, replicas: int) -> int:
     """``position``'s part when ``total`` is split between ``replicas``: the parts add up to ``total``."""
     return total // replicas + (1 if position < total % replicas else 0)
@@ -106,6 +125,45 @@ class Limits:
             if lane.name == name:
                 return lane
         raise KeyError(name)
+
+    def nothing(self) -> Limits:
+        """The same lanes with no slot at all (a store failing closed grants nothing)."""
+        return Limits(tuple(LaneLimits(lane.name, 0, lane.borrow, 0 if lane.borrow else None)
+                            for lane in self.lanes), 0)
+
+    def allotment(self, me: str, replicas: Iterable[str], held_by: Mapping[str, Mapping[str, int]]
+                  ) -> Limits:
+        """This replica's part of every limit when the live ``replicas`` go on without talking,
+        from who held what when they last could (``held_by``: replica → lane → leases).
+
+        Each live replica keeps what it holds, and the room left is filled up from the replica
+        holding least (water-filling; ties to different replicas for different limits), so the
+        parts add up to the limit — no two replicas can fill the same free slot — and a replica
+        that held little is not starved by one that held much. Leases of replicas not alive (dead,
+        not yet expired) still count against the limit; they get no part. A borrowing lane's
+        borrowed room is split evenly.
+        """
+        live = sorted(set(replicas) | {me})
+        n, position = len(live), live.index(me)
+
+        def mine_of(values: Mapping[str, int], limit: int, rotate: int) -> int:
+            order = live[rotate % n:] + live[:rotate % n]
+            held = [values.get(replica, 0) for replica in order]
+            counted = sum(values.values())  # including replicas that are not alive
+            return fill(held, max(0, limit - counted))[order.index(me)]
+
+        lanes = []
+        for i, lane in enumerate(self.lanes):
+            by_replica = {replica: per.get(lane.name, 0) for replica, per in held_by.items()}
+            quota = mine_of(by_replica, lane.max_inflight, i)
+            max_borrow = lane.max_borrow
+            if lane.borrow and max_borrow is not None:
+                total = sum(by_replica.values())
+                ceiling = lane.max_inflight + max_borrow
+                max_borrow = _part(max(0, ceiling - max(total, lane.max_inflight)), (position + i) % n, n)
+            lanes.append(LaneLimits(lane.name, quota, lane.borrow, max_borrow))
+        totals = {replica: sum(per.values()) for replica, per in held_by.items()}
+        return Limits(tuple(lanes), mine_of(totals, self.capacity, len(self.lanes)))
 
     def share(self, position: int, replicas: int) -> Limits:
         """This replica's part of every limit when ``replicas`` split them without talking.
@@ -192,6 +250,8 @@ class GlobalView:
     degraded: bool = False
     """The shared store is unreachable: counts are this replica's alone."""
     reason: str | None = None
+    held_by: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    """Leases per replica and lane (what the outage fallback divides the limits by)."""
 
 
 FreedCallback = Callable[[str], None]
@@ -250,6 +310,11 @@ class Ledger(Protocol):
 
     def on_freed(self, callback: FreedCallback) -> None:
         """Call ``callback(lane)`` on the event loop whenever a slot of ``lane`` may have freed."""
+        ...
+
+    def alone(self, limits: Limits) -> Limits | None:
+        """While the store is unreachable: the limits this replica may fill on its own (its share
+        failing open, nothing failing closed). None while the store answers."""
         ...
 
 

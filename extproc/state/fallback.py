@@ -5,10 +5,13 @@ fails (connection refused, a timeout — 50 ms by default — or a Redis error),
 foreground or from its background heartbeat. The ledger is then *degraded*: calls no longer
 touch Redis, so decisions never wait on it.
 
-* ``fail_open``: grant within this replica's share of every limit — the limits split between
-  the replicas that were alive when Redis last answered (``Limits.share``: the parts add up to
-  the limits, so replicas that lose Redis together stay within them). The leases this replica
-  already held count against its share.
+* ``fail_open``: grant within this replica's allotment of every limit (``Limits.allotment``):
+  every replica alive when Redis last answered keeps what it held then and gets an equal part
+  of the room that was left, so the parts add up to the limits and replicas that lose Redis
+  together stay within them, whoever held more than an even share. The allotment is fixed when
+  the outage begins, from the last view of who held what (refreshed every sync, ~0.2 s): only
+  grants in that last fraction of a second before the outage can slip past it. A replica that
+  never saw Redis splits the limits evenly.
 * ``fail_closed``: refuse every new lease (``Verdict.UNAVAILABLE``); held leases stay held.
 
 Releases are recorded locally and wake this replica's own waiters. A background probe retries
@@ -83,6 +86,10 @@ class FallbackLedger:
         self._settling_until = 0.0
         #: When each replica was last seen alive (monotonic), for this replica's share in an outage.
         self._seen: dict[str, float] = {}
+        #: Who held what (replica → lane → leases) as last read from Redis.
+        self._held_by: dict[str, dict[str, int]] = {}
+        #: The replicas and holdings an outage's allotment is computed from, fixed when it began.
+        self._frozen: tuple[tuple[str, ...], dict[str, dict[str, int]]] | None = None
         primary.on_failure(self._down)
 
     @property
@@ -116,6 +123,7 @@ class FallbackLedger:
         self.degraded = True
         self.since = time.time()
         self.outages += 1
+        self._freeze()
         log.warning("ledger_degraded", reason=reason, mode=self.mode.value, replicas=len(self.primary.alive))
         if self._loop is not None and not self._loop.is_closed() and not self._closing:
             self._probe = self._loop.create_task(self._recover(), name=f"ledger-recover-{self.replica}")
@@ -142,13 +150,26 @@ class FallbackLedger:
         for replica in self.primary.alive:
             self._seen[replica] = now
 
+    def _freeze(self) -> None:
+        """Fix what this outage's allotment is computed from: the replicas seen alive lately and who
+        held what as last seen, with this replica's own holdings as they are now (exact)."""
+        horizon = time.monotonic() - 3 * self.primary.queue_ttl
+        recent = {replica for replica, seen in self._seen.items() if seen >= horizon}
+        replicas = tuple(sorted(set(self.primary.alive) | recent | {self.replica}))
+        held_by = {replica: dict(per) for replica, per in self._held_by.items() if replica != self.replica}
+        held_by[self.replica] = dict(self.primary.held)
+        self._frozen = (replicas, held_by) if self._held_by else None
+
     def _share(self, limits: Limits) -> Limits:
+        if self._frozen is not None:
+            replicas, held_by = self._frozen
+            return limits.allotment(self.replica, replicas, held_by)
         # Every replica seen alive lately, not only in the last answer: right after Redis restarts
         # empty, its liveness set lists only the replicas that have reconnected so far.
         horizon = time.monotonic() - 3 * self.primary.queue_ttl
         recent = {replica for replica, seen in self._seen.items() if seen >= horizon}
-        replicas = sorted(set(self.primary.alive) | recent | {self.replica})
-        return limits.share(replicas.index(self.replica), len(replicas))
+        everyone = sorted(set(self.primary.alive) | recent | {self.replica})
+        return limits.share(everyone.index(self.replica), len(everyone))
 
     async def acquire(self, lane: str, lease: str, limits: Limits, rank: float | None = None) -> Verdict:
         if not self.degraded:
@@ -196,10 +217,17 @@ class FallbackLedger:
             with contextlib.suppress(LedgerUnavailable):
                 view = await self.primary.view()
                 self._note_alive()
+                if not (self._settling_until and time.monotonic() < self._settling_until):
+                    self._held_by = {replica: dict(per) for replica, per in view.held_by.items()}
                 return view
         queued, heads, tenants = self.primary.queue
         return GlobalView(self.primary.held, queued, heads, tenants, replicas=max(len(self.primary.alive), 1),
                           degraded=True, reason=self.reason)
+
+    def alone(self, limits: Limits) -> Limits | None:
+        if not self.degraded:
+            return None
+        return limits.nothing() if self.mode is FailMode.CLOSED else self._share(limits)
 
     def on_freed(self, callback: FreedCallback) -> None:
         self._callbacks.append(callback)

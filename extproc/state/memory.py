@@ -256,6 +256,9 @@ class MemoryLedger:
                     into[tenant] = into.get(tenant, 0) + n
         return GlobalView(inflight, hub.queued(), heads, tenants, replicas=max(len(hub.alive), 1))
 
+    def alone(self, limits: Limits) -> Limits | None:
+        return None  # one process's memory is never unreachable
+
     def on_freed(self, callback: FreedCallback) -> None:
         self._callbacks.append(callback)
 

@@ -593,7 +593,7 @@ class RedisLedger:
     async def view(self) -> GlobalView:
         remote = {str(name) for name in await self._io(lambda client: client.smembers(self._lanes_key))}
         lanes = sorted(set(remote) | self._known | set(self._held))
-        replicas, counts, summaries, tenant_summaries = await self._run(
+        replicas, counts, summaries, tenant_summaries, holders = await self._run(
             "view", [self._alive_key, self._queues_key, *(self._lease_key(lane) for lane in lanes)], [])
         self.alive = tuple(replicas)
         queued: dict[str, int] = {}
@@ -614,12 +614,19 @@ class RedisLedger:
                 for tenant, n in per.items():
                     into[tenant] = into.get(tenant, 0) + int(n)
         inflight = {lane: int(n) for lane, n in zip(lanes, counts, strict=True)}
-        return GlobalView(inflight, queued, heads, tenants, replicas=max(len(replicas), 1))
+        held_by: dict[str, dict[str, int]] = {}
+        for lane, flat in zip(lanes, holders, strict=True):
+            for replica, n in zip(flat[::2], flat[1::2], strict=True):
+                held_by.setdefault(str(replica), {})[lane] = int(n)
+        return GlobalView(inflight, queued, heads, tenants, replicas=max(len(replicas), 1), held_by=held_by)
 
     # -- wake-ups -------------------------------------------------------------------------
 
     def on_freed(self, callback: FreedCallback) -> None:
         self._callbacks.append(callback)
+
+    def alone(self, limits: Limits) -> Limits | None:
+        return None  # bare: an outage raises LedgerUnavailable (FallbackLedger decides what then)
 
     def deliver(self, lane: str) -> None:
         """Schedule the callbacks for ``lane`` (every known lane for ``*``)."""
