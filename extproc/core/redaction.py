@@ -23,6 +23,8 @@ from extproc.policy.schema import Policy
 
 #: Prefix of a redacted value in logs.
 HASHED = "h:"
+#: Longer values are logged as their hash too: a log line must not carry a 64 KB header.
+MAX_SHOWN = 256
 _SCHEMES = re.compile(r"^(bearer|basic|digest|token|apikey)\s", re.IGNORECASE)
 _KEY_PREFIXES = ("sk-", "sk_", "pk-", "pk_", "rk_", "ghp_", "gho_", "github_pat_", "xoxb-", "xoxp-", "aiza",
                  "eyj")  # the last: a JWT
@@ -62,12 +64,12 @@ class Redactor:
         self._tenants = self._known.get(tenants.header or "", frozenset())
 
     def value(self, header: str, value: str) -> str:
-        if value in self._known.get(header, ()) or not looks_secret(value):
+        if value in self._known.get(header, ()) or (len(value) <= MAX_SHOWN and not looks_secret(value)):
             return value
         return self.hashed(value)
 
     def tenant(self, tenant: str) -> str:
-        if tenant in self._tenants or not looks_secret(tenant):
+        if tenant in self._tenants or (len(tenant) <= MAX_SHOWN and not looks_secret(tenant)):
             return tenant
         return self.hashed(tenant)
 

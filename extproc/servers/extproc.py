@@ -466,7 +466,12 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     except StopAsyncIteration:
                         break
                 kind = message.WhichOneof("request")
-                if kind == "request_headers":
+                if kind == "request_headers" and (request.headers is not None or request.outcome is not None):
+                    # One request per stream: a second headers message (never sent by Envoy) must not
+                    # make a second ticket, which would leave the first one's slot behind.
+                    self.controller.metrics.stream_errors.labels("repeated_headers").inc()
+                    response = _passthrough(kind)
+                elif kind == "request_headers":
                     response = request.on_headers(message.request_headers, _client_of(message))
                     if request.waiting_body:
                         self.slow.enter(request.client, id(request), controller.now())
