@@ -10,7 +10,9 @@ the engines' KV-cache usage from it) and `extproc serve` — under the demo's ch
   nothing is leaked (extproc's in-flight gauges and the store's leases drop to 0 once idle).
 * redis_outage — two replicas behind one Envoy sharing Redis; Redis is stopped for 15 s, then
   started again. Reports the busier replica's CPU (% of one core) before and during the outage,
-  the highest in-flight total over both replicas' /metrics against the capacity limit, and leaks.
+  the highest in-flight total over both replicas' /metrics against the capacity limit (and per
+  lane, beside the store's own count), and leaks. redis_outage_closed: the same with
+  --store-fail closed.
 * bad_policy — a 3 MB invalid file saved over the live policy for 9 s of a 15 s run at 20 req/s,
   against the same run without it: non-2xx answers and p99 latency.
 * prometheus_outage — Prometheus stopped for 10 s under load: non-2xx answers from extproc's
@@ -64,7 +66,8 @@ RESULTS = ROOT / "bench" / "results"
 PROFILE, TIME_SCALE = "llama-70b-2xh100", 0.1
 WORKLOAD = ROOT / "examples" / "workloads" / "chatbot.yaml"
 POLICY = ROOT / "examples" / "demo-policy.yaml"
-SCENARIOS = ("extproc_sigkill", "redis_outage", "bad_policy", "prometheus_outage", "cancels", "soak")
+SCENARIOS = ("extproc_sigkill", "redis_outage", "redis_outage_closed", "bad_policy", "prometheus_outage",
+             "cancels", "soak")
 
 
 def log(message: str) -> None:
@@ -506,14 +509,14 @@ def _count(values: Any) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def redis_outage(workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
+def redis_outage(workdir: Path, args: argparse.Namespace, fail: str = "open") -> dict[str, Any]:
     with bench(workdir) as b:
         b.start_backend()
         b.start_redis()
         b.start_prometheus()
         policy = b.policy()
-        a = b.start_extproc("a", policy, "--store", b.store)
-        c = b.start_extproc("b", policy, "--store", b.store)
+        a = b.start_extproc("a", policy, "--store", b.store, "--store-fail", fail)
+        c = b.start_extproc("b", policy, "--store", b.store, "--store-fail", fail)
         b.start_envoy()
         down_at, up_at, duration = 15.0, 30.0, 45.0
         requests = workload(args.load, duration, args.seed)
@@ -557,6 +560,9 @@ def redis_outage(workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
             "leaked_slots": int(left + leases),
             "requests": len(outcomes),
             "statuses": _count(o.status for o in outcomes),
+            "statuses_arriving_during_outage": _count(o.status for o in outcomes
+                                                      if down_at <= o.start < up_at),
+            "running_at_outage_completed": _completed_across(outcomes, down_at),
             "timeline": [{"t": round(s["t"] - offset, 2), "inflight": sum(s["lanes"].values()), "by": s["by"],
                           "store": s.get("store")} for s in sampler.samples],
         }
@@ -586,6 +592,18 @@ def _bad_policy_run(workdir: Path, bad: bool) -> dict[str, Any]:
         return {"requests": len(outcomes), "non_2xx": sum(1 for o in outcomes if not 200 <= o.status < 300),
                 "p99_ms": round(p99(latencies), 1),
                 "reload_errors": metric_sum(replica.metrics, "extproc_policy_reloads_total", result="error")}
+
+
+def _completed_across(outcomes: list[Outcome], at: float) -> str:
+    running = [o for o in outcomes if o.status == 200 and o.first is not None and o.first < at
+               and (o.end is None or o.end > at)]
+    return f"{sum(1 for o in running if o.complete)}/{len(running)}"
+
+
+def redis_outage_closed(workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The same outage with --store-fail closed: nothing new is admitted while Redis is away."""
+    result = redis_outage(workdir, args, fail="closed")
+    return {k: v for k, v in result.items() if k != "timeline"}
 
 
 def bad_policy(workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
