@@ -190,3 +190,44 @@ def test_dockerfile_copies_files_that_exist() -> None:
 
 # The Grafana dashboard's queries are checked against a real extproc's /metrics, with the
 # alerts' and KEDA's, in test_k8s_manifests.py.
+
+
+SHIPPED_POLICIES = sorted((ROOT / "examples").glob("*.yaml")) + sorted((ROOT / "istio").rglob("policy.yaml"))
+
+
+def _allowed(patterns: list[dict[str, str]], header: str) -> bool:
+    return any(p.get("exact") == header or header.startswith(p.get("prefix", "\0")) for p in patterns)
+
+
+@pytest.mark.parametrize("path", SHIPPED_POLICIES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_extproc_is_sent_every_header_a_shipped_policy_reads(path: Path) -> None:
+    policy = load_policy(path)
+    _, hcm = _shipped()
+    ext_proc = next(f for f in hcm["http_filters"] if f["name"] == bootstrap.EXT_PROC_FILTER)["typed_config"]
+    patterns = ext_proc["forward_rules"]["allowed_headers"]["patterns"]
+    needed = {*policy.trusted_headers, ":method", ":path", ":status", "content-length", "content-encoding"}
+    if policy.estimation.model_header:
+        needed.add(policy.estimation.model_header)
+    if policy.retry_budget.enabled:
+        needed.add(policy.retry_budget.header)
+    assert [h for h in sorted(needed) if not _allowed(patterns, h)] == []
+    # And nothing that carries credentials.
+    for secret in ("authorization", "proxy-authorization", "cookie", "x-api-key", "api-key"):
+        assert not _allowed(patterns, secret)
+
+
+def test_compose_publishes_only_the_listener_and_grafana_beyond_loopback() -> None:
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    public, local = set(), set()
+    for name, service in services.items():
+        for port in service.get("ports", []):
+            parts = str(port).split(":")
+            host_port = int(parts[-2])
+            if len(parts) == 3 and parts[0] == "127.0.0.1":
+                local.add((name, host_port))
+            else:
+                public.add((name, host_port))
+    assert public == {("envoy", 10000), ("grafana", 3000)}
+    assert ("envoy", 9901) in local  # Envoy's admin can stop Envoy: never beyond the host
+    # No clash with extproc's own default ports on a host that runs it too.
+    assert not {port for _, port in local} & {9090, 9091, 50051}

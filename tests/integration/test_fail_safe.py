@@ -254,3 +254,47 @@ def test_the_health_route_keeps_working_while_extproc_is_down(make_env: Callable
     wait_http(env.url + "/health")
     assert httpx.post(env.url + "/v1/x", json={}, timeout=10).status_code == 503
     assert free_port()  # the machine is fine
+
+
+@pytest.mark.parametrize("which", ["envoy.yaml", "compose.yaml", "istio-gateway", "istio-sidecar"])
+def test_every_shipped_config_keeps_generations_and_fails_new_requests_closed(
+        tmp_path: Path, which: str) -> None:
+    """The same fault against each shipped config (compose's on loopback, the Istio patches on a
+    stand-in bootstrap): SIGKILL extproc while a generation streams."""
+    import sys
+
+    from extproc.localstack import Stack
+    from tests.integration.conftest import UPSTREAM
+    from tests.integration.test_probes import render
+
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(POLICY)
+    stack = Stack(tmp_path)
+    try:
+        upstream = free_port()
+        stack.start("upstream", [sys.executable, str(UPSTREAM), str(upstream)])
+        wait_http(f"http://127.0.0.1:{upstream}/stats", proc=stack.processes[-1].popen)
+        grpc, http = free_port(), free_port()
+        extproc = stack.extproc(policy, grpc, http)
+        listen, admin = free_port(), free_port()
+        stack.envoy(render(which, listen, admin, upstream, grpc))
+        url = f"http://127.0.0.1:{listen}"
+
+        def generation() -> tuple[int, bytes]:
+            with httpx.stream("POST", url + "/v1/chat/completions", json={}, timeout=30,
+                              headers={"x-test-stream": "20:100"}) as r:
+                return r.status_code, b"".join(r.iter_raw())
+
+        with ThreadPoolExecutor(2) as pool:
+            running = pool.submit(generation)
+            time.sleep(0.6)
+            os.kill(extproc.popen.pid, signal.SIGKILL)
+            down = httpx.post(url + "/v1/chat/completions", json={}, timeout=10)
+            status, body = running.result()
+        assert status == 200
+        assert body.endswith(b"data: [DONE]\n\n")
+        assert (down.status_code, down.headers["x-extproc-reason"], down.headers["retry-after"]) == (
+            503, "unavailable", "5")
+        assert down.json()["error"]["code"] == "unavailable"
+    finally:
+        stack.stop()
