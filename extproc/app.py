@@ -35,7 +35,7 @@ from extproc.servers.ratelimit import ControllerPressure, RateLimitMetrics, Rate
 from extproc.servers.ratelimit import add_to_server as add_ratelimit_service
 from extproc.settings import Settings, allowed_hosts
 from extproc.signals.hub import SaturationCollector, SignalHub
-from extproc.state import open_ledger
+from extproc.state.store import open_ledger
 
 log = structlog.get_logger("extproc")
 _tasks: set[asyncio.Task[object]] = set()

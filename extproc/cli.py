@@ -173,8 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     check = policy_commands.add_parser("check", help="validate policy files; exit 1 if any has problems")
     check.add_argument("files", nargs="+", metavar="FILE")
     check.set_defaults(func=_cmd_policy_check)
-    from extproc.policy import diff as policy_diff
-    from extproc.policy import explain as policy_explain
+    from extproc.tools import diff as policy_diff
+    from extproc.tools import explain as policy_explain
 
     explain = policy_commands.add_parser(
         "explain", help="what the policy does with a sample request: rule, lane, tenant, estimate, decisions")
@@ -212,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.set_defaults(func=sim_simulate.command)
 
     top = commands.add_parser("top", help="live terminal view of a running extproc: lanes, queues, signals")
-    from extproc import top as live_top
+    from extproc.tools import top as live_top
 
     live_top.add_arguments(top)
     top.set_defaults(func=live_top.command)

@@ -22,20 +22,15 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
+from extproc.policy.fields import Duration
+
 if TYPE_CHECKING:
     from extproc.policy.schema import Policy
 
 
-def _seconds(value: object) -> object:
-    # The policy's one duration syntax lives in schema, which imports this module for its
-    # field types: importing it when a value is parsed (not when this module loads) avoids
-    # the import cycle.
-    from extproc.policy.schema import _parse_duration
-
-    return _parse_duration(value)
 
 
-_Duration = Annotated[float, BeforeValidator(_seconds)]
+_Duration = Duration
 _HeaderName = Annotated[str, Field(pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$", max_length=128)]
 _DescriptorValue = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
 Unit = Literal["second", "minute", "hour", "day"]

@@ -11,47 +11,17 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, field_validator, model_validator
 
+from extproc.policy.fields import Duration, HeaderName, Strict
 from extproc.policy.ratelimit import RateLimit, RetryBudget
 from extproc.policy.ratelimit import problems as ratelimit_problems
 from extproc.policy.signals import Signals
 from extproc.policy.signals import problems as signal_problems
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)\s*$")
-_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 _NAME = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
 _HTTP_METHODS = {"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"}
-
-
-def _parse_duration(value: object) -> object:
-    """Accept 250ms, 10s, 2m, 1h or a bare number of seconds."""
-    if isinstance(value, bool):
-        raise ValueError("expected a duration such as 250ms, 10s or 2m")
-    if isinstance(value, int | float):
-        return float(value)
-    if isinstance(value, str):
-        match = _DURATION.match(value)
-        if match is None:
-            raise ValueError(f"expected a duration such as 250ms, 10s or 2m, got {value!r}")
-        return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
-    raise ValueError("expected a duration such as 250ms, 10s or 2m")
-
-
-#: Seconds, written in the file as ``250ms``, ``10s``, ``2m`` or a plain number.
-Duration = Annotated[float, BeforeValidator(_parse_duration)]
-HeaderName = Annotated[str, Field(pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$", max_length=128)]
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
+_Strict = Strict
 
 
 class Lane(_Strict):

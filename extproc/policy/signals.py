@@ -21,23 +21,19 @@ import urllib.parse
 from collections.abc import Collection
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from extproc.policy.fields import Duration
 
 _NAME = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
 _METRIC = r"^[a-zA-Z_:][a-zA-Z0-9_:]{0,199}$"
 _LABEL = r"^[a-zA-Z_][a-zA-Z0-9_]{0,99}$"
 
 
-def _seconds(value: object) -> object:
-    # schema.py imports this module to build Policy, so its duration parser is looked up when a
-    # value is validated, not when this module is imported (that would be an import cycle).
-    from extproc.policy.schema import _parse_duration
-
-    return _parse_duration(value)
 
 
 #: Seconds, written as ``250ms``, ``10s``, ``2m`` or a plain number (as everywhere in the policy).
-Seconds = Annotated[float, BeforeValidator(_seconds)]
+Seconds = Duration
 Name = Annotated[str, Field(pattern=_NAME)]
 Threshold = Annotated[float, Field(allow_inf_nan=False)]
 

@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from extproc.policy.schema import Duration
+from extproc.policy.fields import Duration
 
 
 class _Strict(BaseModel):

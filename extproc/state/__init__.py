@@ -16,7 +16,7 @@ counts) with a short TTL of its own, so a dead replica's queue soon stops counti
 Implementations: :class:`~extproc.state.memory.MemoryLedger` (one process; the default),
 :class:`~extproc.state.redis.RedisLedger` (shared through Redis, atomic Lua scripts) and
 :class:`~extproc.state.fallback.FallbackLedger` (Redis first, a local share of the limits
-while Redis is unreachable). :func:`open_ledger` picks one from a store URL.
+while Redis is unreachable). :func:`extproc.state.store.open_ledger` picks one from a store URL.
 """
 
 from __future__ import annotations
@@ -329,21 +329,3 @@ def summary_changes(before: tuple[Mapping[str, int], Mapping[str, float | None]]
         if worse_head or queued1.get(lane, 0) < queued0.get(lane, 0):
             lanes.append(lane)
     return lanes
-
-
-def open_ledger(store: str | None = None, *, prefix: str = "extproc", fail_open: bool = True,
-                ttl: float = LEASE_TTL, timeout: float = 0.05) -> Ledger:
-    """The ledger a store URL names: none or ``memory://`` → in-process; ``redis://`` and friends → Redis.
-
-    A Redis ledger comes wrapped in the outage fallback (``fail_open``: admit within this
-    replica's share of the limits while Redis is unreachable; otherwise refuse).
-    """
-    from extproc.state.memory import MemoryLedger
-
-    if not store or store.startswith("memory:"):
-        return MemoryLedger(ttl=ttl)
-    from extproc.state.fallback import FailMode, FallbackLedger
-    from extproc.state.redis import RedisLedger
-
-    primary = RedisLedger(store, prefix=prefix, ttl=ttl, timeout=timeout)
-    return FallbackLedger(primary, mode=FailMode.OPEN if fail_open else FailMode.CLOSED)

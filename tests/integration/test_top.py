@@ -30,7 +30,7 @@ import pytest
 from aiohttp import web
 
 from extproc.localstack import free_port, stack
-from extproc.top import EXIT_FETCH, EXIT_USAGE, add_arguments, command
+from extproc.tools.top import EXIT_FETCH, EXIT_USAGE, add_arguments, command
 
 ROOT = Path(__file__).resolve().parents[2]
 NOW = 1764680000.0
@@ -351,7 +351,7 @@ ALT_ON, ALT_OFF, HOME = b"\x1b[?1049h", b"\x1b[?1049l", b"\x1b[H"
 
 
 class Terminal:
-    """`python -m extproc.top` on a pseudo-terminal of a given size; the test reads what it draws."""
+    """`python -m extproc.tools.top` on a pseudo-terminal of a given size; the test reads what it draws."""
 
     def __init__(self, *args: str, cols: int = 80, rows: int = 24, colour: bool = False) -> None:
         self.cols, self.rows = cols, rows
@@ -362,7 +362,7 @@ class Terminal:
         env.update(TERM="xterm-256color", LANG="C.UTF-8", PYTHONUNBUFFERED="1")
         if not colour:
             env["NO_COLOR"] = "1"
-        self.proc = subprocess.Popen([sys.executable, "-m", "extproc.top", *args], cwd=ROOT, env=env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "extproc.tools.top", *args], cwd=ROOT, env=env,
                                      stdin=self.slave, stdout=self.slave, stderr=self.slave,
                                      start_new_session=True)
         self.output = bytearray()
@@ -561,7 +561,8 @@ def tmux() -> Iterator[Tmux]:
 @pytest.mark.parametrize("key", ["q", "C-c"])
 def test_in_tmux_80x24_every_lane_is_readable_and_quitting_restores_the_screen(
         server: StateServer, tmux: Tmux, key: str, tmp_path: Path) -> None:
-    top = shlex.join([sys.executable, "-m", "extproc.top", "--http", server.address, "--interval", "0.2"])
+    top = shlex.join([sys.executable, "-m", "extproc.tools.top", "--http", server.address,
+                      "--interval", "0.2"])
     status_file = tmp_path / "status"
     # The shell records the exit status (tmux itself sometimes reaps a pane's process late);
     # its trap keeps Ctrl-C from ending the shell while it waits, and is reset for top itself.

@@ -14,8 +14,8 @@ import yaml
 from pydantic import BaseModel
 
 from extproc.policy import Policy, load_policy, parse_policy
-from extproc.policy import diff as df
 from extproc.policy.schema import Duration
+from extproc.tools import diff as df
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"

@@ -18,9 +18,9 @@ from extproc.core.decision import Outcome, Reason
 from extproc.core.estimate import Job
 from extproc.metrics import Metrics
 from extproc.policy import Policy, load_policy
-from extproc.policy import explain as ex
-from extproc.policy.explain import ExplainError, LaneLoad, parse_state, sample_request
 from extproc.servers.extproc import ExternalProcessor, _Request
+from extproc.tools import explain as ex
+from extproc.tools.explain import ExplainError, LaneLoad, parse_state, sample_request
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"

@@ -18,11 +18,11 @@ from extproc.state import (
     LaneLimits,
     Limits,
     Verdict,
-    open_ledger,
     outranked,
     summary_changes,
 )
 from extproc.state.memory import MemoryHub, MemoryLedger
+from extproc.state.store import open_ledger
 from tests.state_contract import BORROW, TWO, LedgerContract
 
 

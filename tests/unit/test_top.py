@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from extproc.top import (
+from extproc.tools.top import (
     ASCII,
     bar,
     clean,

@@ -25,9 +25,10 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from extproc.policy.explain import describe_match, duration
+from extproc.policy.fields import Duration
 from extproc.policy.loader import PolicyError, load_policy
-from extproc.policy.schema import Duration, Lane, Match, Policy, Rule
+from extproc.policy.schema import Lane, Match, Policy, Rule
+from extproc.tools.explain import describe_match, duration
 
 #: The validator that reads ``250ms``: a field carrying it holds seconds, shown as a duration.
 _DURATION_MARK = typing.get_args(Duration)[1]

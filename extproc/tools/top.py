@@ -936,7 +936,7 @@ def command(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m extproc.top``: the same command without the rest of the command line."""
+    """``python -m extproc.tools.top``: the same command without the rest of the command line."""
     parser = argparse.ArgumentParser(prog="extproc top",
                                      description="A live terminal view of a running extproc.")
     add_arguments(parser)

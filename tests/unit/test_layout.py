@@ -1,0 +1,154 @@
+"""The architecture, as the imports show it: one way only, no cycles.
+
+Adapters and tools → wiring → core: ``core`` (pure decisions) reads only the policy schema;
+``policy`` (schema, loader, watcher) reads nothing of the rest; the store (``state``) and the
+signal readers (``signals``) are adapters beside the servers; tools for people (``tools``:
+explain, diff, top) are imported by the command line alone. Imports inside functions count;
+only ``if TYPE_CHECKING:`` blocks are exempt.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "extproc"
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def imports_of(name: str) -> set[str]:
+    path = MODULES[name]
+    found: set[str] = set()
+
+    class Visitor(ast.NodeVisitor):
+        def visit_If(self, node: ast.If) -> None:
+            if _is_type_checking(node.test):
+                for child in node.orelse:
+                    self.visit(child)
+                return
+            self.generic_visit(node)
+
+        def visit_Import(self, node: ast.Import) -> None:
+            found.update(alias.name for alias in node.names)
+
+        def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+            if node.level:
+                base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                module = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                module = node.module or ""
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+
+    Visitor().visit(ast.parse(path.read_text()))
+    return {m for m in found if m in MODULES and m != name}
+
+
+GRAPH = {name: imports_of(name) for name in MODULES}
+
+
+def part(name: str) -> str:
+    """The package-level part a module belongs to: ``extproc.core.queue`` → ``core``."""
+    return name.split(".")[1] if "." in name else name
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one member (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    assert _cycles(GRAPH) == []
+
+
+def test_no_package_cycle() -> None:
+    packages: dict[str, set[str]] = {}
+    for name, deps in GRAPH.items():
+        packages.setdefault(part(name), set()).update(part(d) for d in deps if part(d) != part(name))
+    assert _cycles(packages) == []
+
+
+#: What each part may import besides itself (``extproc`` is the package's own ``__init__``).
+ALLOWED = {
+    "policy": set(),
+    "core": {"policy"},
+    "state": {"policy"},
+    "signals": {"core", "policy"},
+    "metrics": {"core", "state"},
+    "controller": {"core", "policy", "state", "metrics"},
+    "tools": {"core", "policy", "settings"},
+}
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_imports_flow_one_way(package: str) -> None:
+    wrong = sorted(f"{name} imports {dep}" for name, deps in GRAPH.items() if part(name) == package
+                   for dep in deps if part(dep) != package and part(dep) not in ALLOWED[package])
+    assert wrong == []
+
+
+def test_only_the_command_line_uses_the_tools() -> None:
+    users = sorted({part(name) for name, deps in GRAPH.items() if part(name) != "tools"
+                    and any(part(d) == "tools" for d in deps)})
+    assert users == ["cli"]
+
+
+def test_the_checker_sees_imports_inside_functions() -> None:
+    # app imports the store's implementations through state.store; cli imports tools lazily.
+    assert "extproc.tools.top" in GRAPH["extproc.cli"]
+    assert "extproc.state.store" in GRAPH["extproc.app"]
+
+
+def test_the_package_is_typed() -> None:
+    assert (PACKAGE / "py.typed").exists()
