@@ -578,9 +578,13 @@ class Scheduler:
 
     def _reject(self, ticket: Ticket, reason: Reason, now: float, cause: Effect | None = None) -> Decision:
         ticket.state = State.DONE
-        # Come back when a request queued now would start: jittered, bounded, never 0.
-        wait = retry_after(self.backlog_wait(ticket.lane, now), self.policy.retry_after, self._rng)
-        return Decision(Outcome.REJECTED, ticket, reason, wait, cause)
+        return Decision(Outcome.REJECTED, ticket, reason, self.retry_after(reason, ticket.lane, now), cause)
+
+    def retry_after(self, reason: Reason, lane: str, now: float) -> int:
+        """Retry-After for a rejection: when a request queued now would start (jittered, bounded,
+        never 0); the longest allowed where retrying soon cannot help (a closed or shed lane)."""
+        drain = self.backlog_wait(lane, now) if reason.retry_helps else self.policy.retry_after.max
+        return retry_after(drain, self.policy.retry_after, self._rng)
 
     def _victim(self, incoming: Lane) -> Ticket | None:
         for lane in reversed(self._order):

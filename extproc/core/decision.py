@@ -1,12 +1,15 @@
-"""The small vocabulary every part shares: outcomes and reasons.
+"""The small vocabulary every part shares: outcomes and reasons, and how a rejection is told.
 
 Their string values are log fields and metric labels, so they are a public
-interface: add to them, never rename.
+interface: add to them, never rename. Every rejection — ext_proc's, the edge's, the
+simulator's — is rendered by :func:`reject`, so status, headers, body, ``Retry-After``
+and ``x-should-retry`` are the same whichever part refused.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from enum import StrEnum
 
 
@@ -41,11 +44,20 @@ class Reason(StrEnum):
     """The client already holds too many requests whose bodies are late."""
     UNAVAILABLE = "unavailable"
     """extproc cannot answer (down, stalled, overloaded): Envoy's admission gate says so, not extproc."""
+    TENANT_REQUESTS = "tenant_request_budget"
+    """The tenant's request budget is spent (the edge)."""
+    TENANT_TOKENS = "tenant_token_budget"
+    """The tenant's token budget is in debt (the edge)."""
 
     @property
     def http_status(self) -> int:
         """429 asks the client to come back later; 503 says this replica is going away or is down."""
         return _STATUS.get(self, 429)
+
+    @property
+    def retry_helps(self) -> bool:
+        """False where an SDK's prompt retry cannot help: the answer then says ``x-should-retry: false``."""
+        return self not in _NO_RETRY
 
     @property
     def message(self) -> str:
@@ -60,13 +72,16 @@ _MESSAGES = {
     Reason.FAIR_SHARE: "The queued request gave its place to a tenant below its fair share of the queue.",
     Reason.LANE_CLOSED: "This lane is closed by policy.",
     Reason.DRAINING: "This admission controller is shutting down.",
-    Reason.SATURATED: "The inference cluster is saturated; this lane is shed until it recovers.",
+    Reason.SATURATED: "The inference backend is saturated; this lane is shed until it recovers.",
     Reason.RETRY_BUDGET: "Too many retries: the retry budget is spent. Retrying now cannot help.",
     Reason.BAD_REQUEST: "The request cannot be classified as sent.",
     Reason.BODY_TIMEOUT: "The request body did not arrive in time.",
     Reason.SLOW_BODIES: "Too many of this client's requests are waiting for their bodies.",
     Reason.UNAVAILABLE: "The admission controller is unavailable; no new requests are admitted.",
+    Reason.TENANT_REQUESTS: "This tenant's request budget is spent.",
+    Reason.TENANT_TOKENS: "This tenant's token budget is spent.",
 }
+_NO_RETRY = frozenset({Reason.LANE_CLOSED, Reason.SATURATED, Reason.RETRY_BUDGET, Reason.BAD_REQUEST})
 _STATUS = {Reason.DRAINING: 503, Reason.UNAVAILABLE: 503, Reason.BAD_REQUEST: 400, Reason.BODY_TIMEOUT: 408}
 _TYPES = {429: "rate_limit_exceeded", 503: "service_unavailable"}
 
@@ -91,3 +106,32 @@ def error_body(reason: Reason, lane: str | None, retry_after: int | None, signal
         }
     }
     return json.dumps(doc, separators=(",", ":")).encode()
+
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """A refusal as the client will see it."""
+
+    status: int
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+
+
+def reject(reason: Reason, lane: str | None, retry_after: int | None, *, signal: str | None = None,
+           rule: str | None = None, retry_allowed: bool = True, detail: str | None = None) -> Rejection:
+    """The one rendering of a refusal: status, ``content-type``, ``x-extproc-reason``, the lane, the
+    saturation rule and signal behind it, ``retry-after``, ``x-should-retry: false`` where retrying
+    cannot help or the retry budget has no room (``retry_allowed``), and the JSON error document."""
+    headers = [("content-type", "application/json"), ("x-extproc-reason", reason.value)]
+    if lane is not None:
+        headers.append(("x-extproc-lane", lane))
+    if retry_after is not None:
+        headers.append(("retry-after", str(retry_after)))
+    if signal is not None or rule is not None:
+        headers.append(("x-extproc-signal", signal or ""))
+        headers.append(("x-extproc-rule", rule or ""))
+    if not reason.retry_helps or not retry_allowed:
+        headers.append(("x-should-retry", "false"))
+    return Rejection(reason.http_status, tuple(headers),
+                     error_body(reason, lane, retry_after, signal, detail))

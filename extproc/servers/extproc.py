@@ -39,13 +39,11 @@ from extproc.controller import Controller
 from extproc.core.admission import Decision, Ticket
 from extproc.core.body import BodyFacts, read_request_body
 from extproc.core.classify import HEADER_PREFIX, Classification, Classifier, RequestFacts
-from extproc.core.decision import Outcome, Reason, error_body
+from extproc.core.decision import Outcome, Reason, Rejection, reject
 from extproc.core.redaction import Redactor
 from extproc.core.retry_budget import is_retry
 from extproc.core.saturation import Effect
 
-#: Rejections a prompt retry cannot turn around: shed under saturation, retry budget spent.
-_NO_RETRY = frozenset({Reason.SATURATED, Reason.RETRY_BUDGET})
 #: Envoy must never time out a hold before extproc answers it: the override carries this margin.
 HOLD_MARGIN_S = 2.0
 _OVERWRITE = HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
@@ -145,21 +143,11 @@ def _client_of(request: pb.ProcessingRequest) -> str | None:
     return host.rpartition(":")[0] if host.count(":") == 1 else host
 
 
-def _immediate(reason: Reason, lane: str | None, retry_after: int | None, *, detail: str | None = None,
-               extra: Iterable[HeaderValueOption] = ()) -> pb.ProcessingResponse:
-    headers = [
-        _header("content-type", "application/json"),
-        _header("x-extproc-reason", reason.value),
-        *extra,
-    ]
-    if lane is not None:
-        headers.append(_header("x-extproc-lane", lane))
-    if retry_after is not None:
-        headers.append(_header("retry-after", str(retry_after)))
+def _immediate(rejection: Rejection, reason: Reason) -> pb.ProcessingResponse:
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
-        status=HttpStatus(code=reason.http_status),
-        headers=pb.HeaderMutation(set_headers=headers),
-        body=error_body(reason, lane, retry_after, detail=detail),
+        status=HttpStatus(code=rejection.status),
+        headers=pb.HeaderMutation(set_headers=[_header(k, v) for k, v in rejection.headers]),
+        body=rejection.body,
         details=f"extproc_{reason.value}",
     ))
 
@@ -267,7 +255,7 @@ class _Request:
         """An answer that ends the request before it is classified (bad request, slow body)."""
         self.outcome, self.reason = Outcome.REJECTED, reason
         self.p.controller.metrics.intake_rejections.labels(reason.value).inc()
-        return _immediate(reason, None, retry_after, detail=detail)
+        return _immediate(reject(reason, None, retry_after, detail=detail), reason)
 
     def on_response_headers(self, message: pb.HttpHeaders) -> pb.ProcessingResponse:
         self.status = _status_of(message)
@@ -339,22 +327,14 @@ class _Request:
 
     def _reject(self, decision: Decision) -> pb.ProcessingResponse:
         reason = decision.reason or Reason.QUEUE_FULL
-        extra: list[HeaderValueOption] = []
         effect = decision.saturation
-        signal = None
-        if effect is not None:
-            signal = effect.signal
-            extra.append(_header("x-extproc-signal", effect.signal or ""))
-            extra.append(_header("x-extproc-rule", effect.shed_by or ""))
-        if reason in _NO_RETRY or not self.p.controller.permit_retry():
-            # The OpenAI SDKs obey this: an immediate retry would meet the same answer, or the
-            # retry budget has no room for it (telling the client saves it the attempt).
-            extra.append(_header("x-should-retry", "false"))
-        response = _immediate(reason, decision.ticket.lane, decision.retry_after, extra=extra)
-        if signal:
-            response.immediate_response.body = error_body(reason, decision.ticket.lane, decision.retry_after,
-                                                          signal)
-        return response
+        # A rejection that lets its client retry reserves that retry in the retry budget; with no
+        # room it says x-should-retry: false (the OpenAI SDKs obey it), saving the attempt.
+        allowed = not reason.retry_helps or self.p.controller.permit_retry()
+        rejection = reject(reason, decision.ticket.lane, decision.retry_after,
+                           signal=effect.signal if effect is not None else None,
+                           rule=effect.shed_by if effect is not None else None, retry_allowed=allowed)
+        return _immediate(rejection, reason)
 
     def finish(self, *, aborted: bool) -> None:
         """Release the slot (exactly once) and write the request's one decision record."""
@@ -370,8 +350,10 @@ class _Request:
             elif self.outcome is None:
                 self.outcome = Outcome.CANCELLED
             # Only a successful response's time says how long such a request takes: a 400 or a 500
-            # answered at once would teach the estimator that requests are nearly free.
-            controller.release(ticket, learn=not aborted and status is not None and 200 <= status < 300)
+            # answered at once would teach the estimator that requests are nearly free. How the
+            # stream ended says nothing more: Envoy ends it alike (EOF, then a reset that may race
+            # ahead of it) for a finished response and for one whose client left mid-way.
+            controller.release(ticket, learn=status is not None and 200 <= status < 300)
         if self.headers is None:
             return
         if ticket is None and not aborted and self.outcome is None:

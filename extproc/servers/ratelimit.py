@@ -30,14 +30,12 @@ everything is decided and counted, but the answer is always a plain OK.
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import secrets
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from enum import StrEnum
 from functools import partial
 from typing import Any, Protocol
 
@@ -53,6 +51,7 @@ from prometheus_client.registry import Collector
 from extproc.controller import Controller
 from extproc.core.budget import Budget, Rate, Verdict
 from extproc.core.classify import Classifier, RequestFacts
+from extproc.core.decision import Reason, reject
 from extproc.core.redaction import Redactor
 from extproc.core.retry import retry_after
 from extproc.metrics import Children
@@ -70,34 +69,6 @@ log = structlog.get_logger("extproc.ratelimit")
 
 _Limit = pb.RateLimitResponse.RateLimit
 _UNITS = {"second": _Limit.SECOND, "minute": _Limit.MINUTE, "hour": _Limit.HOUR, "day": _Limit.DAY}
-
-
-class EdgeReason(StrEnum):
-    """Why the edge sheds. Values are metric labels and ``x-extproc-reason`` values: add, never rename."""
-
-    QUEUE_FULL = "queue_full"
-    LANE_CLOSED = "lane_closed"
-    SATURATED = "saturated"
-    TENANT_REQUESTS = "tenant_request_budget"
-    TENANT_TOKENS = "tenant_token_budget"
-
-    @property
-    def retry_helps(self) -> bool:
-        """False where retrying cannot help soon: then the answer says ``x-should-retry: false``."""
-        return self not in (EdgeReason.LANE_CLOSED, EdgeReason.SATURATED)
-
-    @property
-    def message(self) -> str:
-        return _MESSAGES[self]
-
-
-_MESSAGES = {
-    EdgeReason.QUEUE_FULL: "The inference queue for this lane is full.",
-    EdgeReason.LANE_CLOSED: "This lane is closed by policy.",
-    EdgeReason.SATURATED: "The inference backend is saturated; this lane is shed until it recovers.",
-    EdgeReason.TENANT_REQUESTS: "This tenant's request budget is spent.",
-    EdgeReason.TENANT_TOKENS: "This tenant's token budget is spent.",
-}
 
 
 # -- what the service needs from the running scheduler -------------------------------------
@@ -181,7 +152,7 @@ class Check:
     """One limit's view of a request: over or not, and the status to report for it."""
 
     over: bool
-    reason: EdgeReason | None
+    reason: Reason | None
     name: str
     limit: int
     unit: int
@@ -214,9 +185,9 @@ def lane_check(name: str, lane: Lane, pressure: LanePressure, overall: LanePress
     remaining = max(room - pressure.inflight - pressure.queued, 0)
     label = f"lane:{name}"
     if lane.closed or pressure.closed:
-        return Check(True, EdgeReason.LANE_CLOSED, label, room, _Limit.UNKNOWN, 0, retry_max_s)
+        return Check(True, Reason.LANE_CLOSED, label, room, _Limit.UNKNOWN, 0, retry_max_s)
     if shed_saturated and pressure.shed_by is not None:
-        return Check(True, EdgeReason.SATURATED, label, room, _Limit.UNKNOWN, 0, retry_max_s)
+        return Check(True, Reason.SATURATED, label, room, _Limit.UNKNOWN, 0, retry_max_s)
     slots_full = pressure.paused or pressure.inflight >= pressure.limit
     if slots_full and lane.borrow and not pressure.paused:
         capped = lane.max_borrow is not None and pressure.inflight >= pressure.limit + lane.max_borrow
@@ -225,7 +196,7 @@ def lane_check(name: str, lane: Lane, pressure: LanePressure, overall: LanePress
     if slots_full and pressure.queued >= threshold and not crowds:
         drain = drain_s()
         wait = drain if math.isfinite(drain) and drain > 0 else 0.0
-        return Check(True, EdgeReason.QUEUE_FULL, label, room, _Limit.UNKNOWN, 0, wait)
+        return Check(True, Reason.QUEUE_FULL, label, room, _Limit.UNKNOWN, 0, wait)
     return Check(False, None, label, room, _Limit.UNKNOWN, remaining, 0.0)
 
 
@@ -234,7 +205,7 @@ def rate_of(limit: int, tenant_limit: TenantLimit) -> Rate:
     return Rate(limit / tenant_limit.unit_seconds, max(limit * tenant_limit.burst, 1.0))
 
 
-def budget_check(name: str, reason: EdgeReason, limit: int, tenant_limit: TenantLimit,
+def budget_check(name: str, reason: Reason, limit: int, tenant_limit: TenantLimit,
                  verdict: Verdict) -> Check:
     reset = verdict.full_s if verdict.allowed else verdict.wait_s
     return Check(not verdict.allowed, None if verdict.allowed else reason, name, limit,
@@ -254,7 +225,7 @@ class Judgement:
     """Decided and counted, but answered OK (shadow mode, or a lane that only observes)."""
 
     @property
-    def reason(self) -> EdgeReason | None:
+    def reason(self) -> Reason | None:
         return self.status.reason if self.over else None
 
     @property
@@ -266,21 +237,6 @@ def judge(lane: str, tenant: str, checks: list[Check], *, shadow: bool = False) 
     over = tuple(c for c in checks if c.over)
     status = max(over, key=lambda c: c.reset_s) if over else min(checks, key=lambda c: c.remaining)
     return Judgement(lane, tenant, status, over, shadow)
-
-
-def error_body(reason: EdgeReason, lane: str, retry_after_s: int, signal: str | None = None) -> bytes:
-    """The same OpenAI-style error document ext_proc answers with, so SDKs show why and back off."""
-    named = f" Signal: {signal}." if signal else ""
-    doc = {
-        "error": {
-            "message": f"{reason.message}{named} Retry after {retry_after_s} s.",
-            "type": "rate_limit_exceeded",
-            "param": None,
-            "code": reason.value,
-            "lane": lane,
-        }
-    }
-    return json.dumps(doc, separators=(",", ":")).encode()
 
 
 # -- metrics ------------------------------------------------------------------------------------
@@ -486,7 +442,7 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
         limits = config.budgets.of(tenant)
         if limits.tokens is not None:
             rate = rate_of(limits.tokens, limits)
-            checks.append(budget_check("tenant_tokens", EdgeReason.TENANT_TOKENS, limits.tokens, limits,
+            checks.append(budget_check("tenant_tokens", Reason.TENANT_TOKENS, limits.tokens, limits,
                                        self.tokens.check(tenant, rate, 1.0, now)))
         if limits.requests is not None:
             rate = rate_of(limits.requests, limits)
@@ -495,7 +451,7 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
                 verdict = self.requests.check(tenant, rate, hits, now)
             else:
                 verdict = self.requests.take(tenant, rate, hits, now)
-            checks.append(budget_check("tenant_requests", EdgeReason.TENANT_REQUESTS, limits.requests,
+            checks.append(budget_check("tenant_requests", Reason.TENANT_REQUESTS, limits.requests,
                                        limits, verdict))
         lane = candidates[0] if len(candidates) == 1 else ANY_LANE
         if not checks:
@@ -537,27 +493,21 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
         reason = worst.reason
         assert reason is not None
         wait = retry_after(worst.status.reset_s, policy.retry_after, self._rng)
-        headers = [
-            ("content-type", "application/json"),
-            ("retry-after", str(wait)),
-            ("x-extproc-reason", reason.value),
-        ]
-        signal = None
-        if worst.lane != ANY_LANE:
-            headers.append(("x-extproc-lane", worst.lane))
-            pressure = self.pressure.lane(worst.lane) if reason is EdgeReason.SATURATED else None
+        lane = worst.lane if worst.lane != ANY_LANE else None
+        signal = rule = None
+        if lane is not None and reason is Reason.SATURATED:
+            pressure = self.pressure.lane(lane)
             if pressure is not None and pressure.shed_by is not None:
                 # Named as ext_proc names it, so a client or an SRE sees the same cause either way.
-                signal = pressure.signal
-                headers.append(("x-extproc-signal", signal or ""))
-                headers.append(("x-extproc-rule", pressure.shed_by))
+                signal, rule = pressure.signal, pressure.shed_by
                 if self.metrics.saturation is not None:
-                    self.metrics.saturation.labels(worst.lane, pressure.shed_by, signal or "").inc()
+                    self.metrics.saturation.labels(lane, rule, signal or "").inc()
         retry_helps = all(j.retry_helps for j in shed)
-        if not retry_helps or (self.permit_retry is not None and not self.permit_retry()):
-            headers.append(("x-should-retry", "false"))
-        response.response_headers_to_add.extend(HeaderValue(key=k, value=v) for k, v in headers)
-        response.raw_body = error_body(reason, worst.lane, wait, signal)
+        allowed = not retry_helps or self.permit_retry is None or self.permit_retry()
+        rejection = reject(reason, lane, wait, signal=signal, rule=rule,
+                           retry_allowed=retry_helps and allowed)
+        response.response_headers_to_add.extend(HeaderValue(key=k, value=v) for k, v in rejection.headers)
+        response.raw_body = rejection.body
 
 
 def _fill(status: pb.RateLimitResponse.DescriptorStatus, check: Check) -> None:

@@ -170,6 +170,7 @@ def test_only_successful_responses_teach_the_estimator(make_env: Callable[..., E
     # Slow successes do.
     for _ in range(3):
         predicted(200, delay_ms=300)
+        env.wait_idle()  # learned when its stream ends, just after the response
     assert predicted(400) > 40
     env.wait_idle()
 

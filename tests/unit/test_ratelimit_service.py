@@ -25,7 +25,6 @@ from extproc.policy.ratelimit import RetryBudget as RetryBudgetPolicy
 from extproc.servers.ratelimit import (
     ANY_LANE,
     ControllerPressure,
-    EdgeReason,
     LanePressure,
     RateLimitMetrics,
     RateLimitService,
@@ -395,7 +394,7 @@ def test_lane_that_depends_on_the_model_is_shed_only_if_every_candidate_is() -> 
     response = rig.ask(arrival("/m/v1/chat/completions"))
     assert response.overall_code == OVER
     assert "x-extproc-lane" not in headers_of(response)
-    assert json.loads(response.raw_body)["error"]["lane"] == ANY_LANE
+    assert json.loads(response.raw_body)["error"]["lane"] is None  # the model decides it, unknown here
 
 
 def test_model_header_makes_the_lane_certain() -> None:
@@ -643,9 +642,12 @@ def test_should_rate_limit_answers_like_decide() -> None:
     assert response.overall_code == OVER
 
 
-def test_edge_reasons_know_when_retrying_helps() -> None:
-    assert {r for r in EdgeReason if not r.retry_helps} == {EdgeReason.LANE_CLOSED, EdgeReason.SATURATED}
-    assert all(r.message.endswith(".") for r in EdgeReason)
+def test_one_reason_vocabulary_knows_when_retrying_helps() -> None:
+    from extproc.core.decision import Reason
+
+    assert {r for r in Reason if not r.retry_helps} == {
+        Reason.LANE_CLOSED, Reason.SATURATED, Reason.RETRY_BUDGET, Reason.BAD_REQUEST}
+    assert all(r.message.endswith(".") for r in Reason)
 
 
 # -- the adapter on a real Controller -------------------------------------------------------------
