@@ -304,6 +304,11 @@ class Scheduler:
             inflight += self._others_inflight.get(lane.name, 0)
         return inflight < self._limits[lane.name]
 
+    def admissible(self, name: str) -> bool:
+        """Whether one more request of lane ``name`` could start now (the edge asks: one rule)."""
+        lane = self._lanes.get(name)
+        return lane is not None and self._admissible(lane)
+
     def _admissible(self, lane: Lane) -> bool:
         """Whether one more request of ``lane`` may start now without breaking any limit.
 

@@ -64,6 +64,9 @@ class Classifier:
         self._policy = policy
         self._trusted = frozenset(policy.trusted_headers)
         self._lanes = frozenset(lane.name for lane in policy.lanes)
+        #: Models a rule names (sorted): where the model decides the lane.
+        self.models: tuple[str, ...] = tuple(sorted({m for rule in policy.classification.rules
+                                                     for m in rule.match.models}))
         self._regex = {
             i: re.compile(rule.match.path_regex)
             for i, rule in enumerate(policy.classification.rules)

@@ -46,6 +46,7 @@ class Redactor:
     """Redacts trusted header values (and tenants derived from them) for one policy."""
 
     def __init__(self, policy: Policy, key: bytes | None = None) -> None:
+        self.policy = policy
         self._key = key or secrets.token_bytes(32)
         known: dict[str, set[str]] = {}
         tenants = policy.tenants

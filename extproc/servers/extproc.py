@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any
 
 import grpc
@@ -37,11 +37,11 @@ from google.protobuf.duration_pb2 import Duration
 
 from extproc.controller import Controller
 from extproc.core.admission import Decision, Ticket
-from extproc.core.body import BodyFacts, read_request_body
-from extproc.core.classify import HEADER_PREFIX, Classification, Classifier, RequestFacts
+from extproc.core.body import BodyFacts
+from extproc.core.classify import Classification
 from extproc.core.decision import Outcome, Reason, Rejection, reject
+from extproc.core.intake import Head, Intake
 from extproc.core.redaction import Redactor
-from extproc.core.retry_budget import is_retry
 from extproc.core.saturation import Effect
 
 #: Envoy must never time out a hold before extproc answers it: the override carries this margin.
@@ -191,14 +191,16 @@ class _Request:
     """One HTTP request's life on one ext_proc stream."""
 
     # One of these is made per request: slots spare it an instance __dict__.
-    __slots__ = ("arrival", "body", "client", "cls", "headers", "model", "outcome", "p", "reason",
+    __slots__ = ("arrival", "body", "client", "cls", "head", "headers", "model", "outcome", "p", "reason",
                  "remove", "request_id", "saturation", "shadow", "status", "ticket", "waiting_body")
 
     def __init__(self, processor: ExternalProcessor) -> None:
         self.p = processor
         self.ticket: Ticket | None = None
+        #: The request as its headers tell it (the one intake's view), once they came.
+        self.head: Head | None = None
         #: The request's headers, once they came (None: the stream never got that far).
-        self.headers: dict[str, str] | None = None
+        self.headers: Mapping[str, str] | None = None
         self.request_id = ""
         #: From the policy's model header, else from the body once it was read.
         self.model: str | None = None
@@ -223,23 +225,18 @@ class _Request:
         """The answer to the request headers, or None when the request is to be decided on them."""
         self.arrival = time.time()
         self.client = client
-        headers, repeated = _headers_of(message)
-        trusted = self.p.classifier.trusted
-        # Client-sent x-extproc-* headers are dropped before anything reads them, unless trusted.
-        self.remove = [k for k in headers if k.startswith(HEADER_PREFIX) and not trusted(k)]
-        for key in self.remove:
-            del headers[key]
-        self.headers = headers
-        self.request_id = headers.get("x-request-id", "")
-        twice = [k for k in repeated if trusted(k)]
-        if twice:
+        raw, repeated = _headers_of(message)
+        head = self.head = self.p.intake.head(raw.get(":method", ""), raw.get(":path", ""), raw,
+                                              repeated=repeated, has_body=not message.end_of_stream)
+        self.headers = head.headers
+        self.remove = list(head.stripped)
+        self.request_id = head.request_id
+        self.model = head.model
+        if head.repeated is not None:
             # Never a merged tenant or lane ("acme,globex"): the client must say it once.
-            return self.refuse(Reason.BAD_REQUEST, f"Header {twice[0]!r} appears more than once.")
-        policy = self.p.controller.policy
-        model_header = policy.estimation.model_header
-        self.model = headers.get(model_header) if model_header else None
-        if policy.needs_body and not message.end_of_stream:
-            estimation = policy.estimation
+            return self.refuse(Reason.BAD_REQUEST, f"Header {head.repeated!r} appears more than once.")
+        if head.read_body:
+            estimation = self.p.controller.policy.estimation
             if self.p.slow.too_many(client, estimation.max_slow_bodies, self.p.controller.now()):
                 return self.refuse(Reason.SLOW_BODIES, None, retry_after=int(estimation.body_timeout) or 1)
             self.waiting_body = True
@@ -264,30 +261,20 @@ class _Request:
     def on_body(self, message: pb.HttpBody) -> pb.ProcessingResponse | None:
         """The answer to a body chunk, or None when the request is to be decided on this one."""
         self.waiting_body = False
-        if self.headers is None or self.ticket is not None or self.outcome is not None:
+        head = self.head
+        if head is None or self.ticket is not None or self.outcome is not None:
             # Later chunks (not expected with BUFFERED_PARTIAL) pass untouched.
             return _BODY_PASSTHROUGH
-        limit = self.p.controller.policy.estimation.max_body_bytes
-        self.body = read_request_body(message.body, message.end_of_stream, self.headers, limit)
+        self.body = self.p.intake.read(head, message.body, message.end_of_stream)
         return None
 
     def decide(self) -> Decision:
         """Classify, estimate and submit: admitted, rejected, or queued (then Controller.wait decides)."""
-        headers = self.headers
-        assert headers is not None
-        body = self.body or _NO_BODY
-        if self.model is None:
-            self.model = body.model
-        facts = RequestFacts(method=headers.get(":method", ""), path=headers.get(":path", ""),
-                             headers=headers, model=self.model, request_id=self.request_id)
-        self.cls = cls = self.p.classifier.classify(facts)
-        controller = self.p.controller
-        job = controller.scheduler.estimator.job(
-            facts.model, body.prompt_chars, body.prompt_tokens, body.max_tokens
-        )
-        budget = controller.policy.retry_budget
-        retry = budget.enabled and is_retry(headers, budget.header)
-        decision = controller.submit(cls.lane, cls.tenant, job, retry=retry)
+        assert self.head is not None
+        arrival = self.p.intake.arrival(self.head, self.body)
+        self.model = arrival.facts.model
+        self.cls = arrival.classification
+        decision = self.p.controller.submit(arrival.lane, arrival.tenant, arrival.job, retry=arrival.retry)
         self.ticket = decision.ticket
         return decision
 
@@ -409,7 +396,7 @@ class _Request:
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(self, controller: Controller, *, log_key: bytes | None = None) -> None:
         self.controller = controller
-        self.classifier = Classifier(controller.policy)
+        self.intake = Intake(controller.policy, controller.scheduler.estimator)
         self.slow = SlowBodies()
         # One key for the process's life: a value hashes alike before and after a reload.
         self._log_key = log_key or secrets.token_bytes(32)
@@ -419,7 +406,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         self.log: structlog.typing.FilteringBoundLogger = log.bind()
 
     def reconfigure(self) -> None:
-        self.classifier = Classifier(self.controller.policy)
+        self.intake = Intake(self.controller.policy, self.controller.scheduler.estimator)
         self.redactor = Redactor(self.controller.policy, self._log_key)
 
     async def Process(
@@ -448,7 +435,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     except StopAsyncIteration:
                         break
                 kind = message.WhichOneof("request")
-                if kind == "request_headers" and (request.headers is not None or request.outcome is not None):
+                if kind == "request_headers" and (request.head is not None or request.outcome is not None):
                     # One request per stream: a second headers message (never sent by Envoy) must not
                     # make a second ticket, which would leave the first one's slot behind.
                     self.controller.metrics.stream_errors.labels("repeated_headers").inc()

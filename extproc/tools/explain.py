@@ -31,10 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from extproc.core.admission import Decision, Scheduler, State, Ticket
-from extproc.core.body import BodyFacts, read_request_body
-from extproc.core.classify import HEADER_PREFIX, Classifier, RequestFacts, normalize_path
+from extproc.core.body import BodyFacts
+from extproc.core.classify import Classifier, RequestFacts, normalize_path
 from extproc.core.decision import Outcome, Reason
 from extproc.core.estimate import Estimator, Job
+from extproc.core.intake import Intake as CoreIntake
 from extproc.policy.loader import PolicyError, load_policy
 from extproc.policy.schema import Lane, Match, Policy
 
@@ -182,33 +183,15 @@ def _why_body(policy: Policy) -> str:
 
 
 def intake(policy: Policy, request: SampleRequest) -> Intake:
-    """What extproc knows of ``request`` when it decides, got the way servers/extproc.py gets it."""
-    trusted = frozenset(policy.trusted_headers)
-    stripped = tuple(k for k in request.headers if k.startswith(HEADER_PREFIX) and k not in trusted)
-    headers = {k: v for k, v in request.headers.items() if k not in stripped}
-    model_header = policy.estimation.model_header
-    model = headers.get(model_header) if model_header else None
-    model_from = f"header {model_header}" if model is not None else ""
+    """What extproc knows of ``request`` when it decides: the live service's own intake."""
+    arrival = CoreIntake(policy).request(request.method, request.path, request.headers, request.body)
     why = _why_body(policy)
-    body = BodyFacts()
-    read = False
-    # Envoy ends the stream on the headers when there is no body: nothing to read then.
-    if request.body and policy.needs_body:
-        limit = policy.estimation.max_body_bytes
-        # A client sends a content-length with its body and Envoy passes it on; the sample's own size is it.
-        sent = {"content-length": str(len(request.body)), **headers}
-        # Assumes the whole body reaches extproc in one chunk, as when it fits Envoy's buffer.
-        body = read_request_body(request.body, True, sent, limit)
-        read = True
-    elif request.body:
+    if request.body and not arrival.body_read:
         why = f"not read: {why}"
-    if model is None:
-        model = body.model
-        if model is not None:
-            model_from = "the body"
-    facts = RequestFacts(method=request.method, path=request.path, headers=headers, model=model,
-                         request_id=headers.get("x-request-id", ""))
-    return Intake(facts, stripped, bool(request.body), body, read, why, model_from)
+    model_header = policy.estimation.model_header
+    model_from = {"header": f"header {model_header}", "body": "the body"}.get(arrival.model_from, "")
+    return Intake(arrival.facts, arrival.head.stripped, bool(request.body), arrival.body, arrival.body_read,
+                  why, model_from)
 
 
 # -- classification ---------------------------------------------------------------------------------

@@ -72,24 +72,23 @@ class FakePressure:
                                     closed=lane.closed)
             for lane in policy.lanes
         }
-        self.total = LanePressure(queued=0, max_queued=6, inflight=0, limit=8)
         self.drain = 7.0
         self.drained: list[str] = []
 
     def lane(self, name: str) -> LanePressure | None:
         return self.lanes.get(name)
 
-    def overall(self) -> LanePressure:
-        return self.total
-
     def drain_s(self, lane: str) -> float:
         self.drained.append(lane)
         return self.drain
 
     def load(self, lane: str, *, inflight: int | None = None, queued: int = 0, **extra: Any) -> None:
+        """Set a lane's load; a slot is free (as the scheduler would say) while it is under its limit
+        and not paused, unless the test says otherwise (``slot_free=``: borrowing)."""
         current = self.lanes[lane]
-        self.lanes[lane] = replace(current, inflight=current.limit if inflight is None else inflight,
-                                   queued=queued, **extra)
+        running = current.limit if inflight is None else inflight
+        extra.setdefault("slot_free", running < current.limit and not extra.get("paused", False))
+        self.lanes[lane] = replace(current, inflight=running, queued=queued, **extra)
 
 
 class Clock:
@@ -224,7 +223,7 @@ def test_retry_after_is_jittered_by_the_policy() -> None:
     seen = set()
     for seed in range(20):
         rig = Rig(policy=policy)
-        rig.service._rng = random.Random(seed)
+        rig.service.edge._rng = random.Random(seed)
         rig.pressure.load("interactive", queued=4)
         rig.pressure.drain = 20.0
         seen.add(int(headers_of(rig.ask(arrival()))["retry-after"]))
@@ -254,13 +253,10 @@ def test_lane_without_a_queue_is_over_when_its_slots_are_full() -> None:
 
 def test_a_borrowing_lane_is_shed_only_when_it_cannot_borrow() -> None:
     rig = Rig()
-    rig.pressure.load("spare", queued=2)  # its own slots full, queue full
-    rig.pressure.total = LanePressure(queued=2, max_queued=6, inflight=2, limit=8)
-    assert rig.ask(arrival("/spare")).overall_code == OK  # idle slots elsewhere
-    rig.pressure.total = LanePressure(queued=2, max_queued=6, inflight=8, limit=8)
-    assert rig.ask(arrival("/spare")).overall_code == OVER  # none left anywhere
-    rig.pressure.total = LanePressure(queued=2, max_queued=6, inflight=3, limit=8)
-    rig.pressure.load("spare", inflight=3, queued=2)  # already borrowing its max_borrow of 1
+    # Its own slots full, its queue full: whether it may borrow is the scheduler's call.
+    rig.pressure.load("spare", queued=2, slot_free=True)  # idle slots elsewhere
+    assert rig.ask(arrival("/spare")).overall_code == OK
+    rig.pressure.load("spare", queued=2, slot_free=False)  # none it may take
     assert rig.ask(arrival("/spare")).overall_code == OVER
 
 
@@ -661,15 +657,17 @@ async def test_controller_pressure_reads_the_live_scheduler() -> None:
     decisions = [controller.submit("interactive", "acme", job) for _ in range(5)]
     assert [d.outcome.value for d in decisions] == ["admitted"] * 2 + ["queued"] * 3
     lane = pressure.lane("interactive")
-    assert lane == LanePressure(queued=3, max_queued=4, inflight=2, limit=2, tenants={"acme": 3})
-    assert pressure.lane("gone") == LanePressure(queued=0, max_queued=0, inflight=0, limit=1, closed=True)
+    assert lane == LanePressure(queued=3, max_queued=4, inflight=2, limit=2, slot_free=False,
+                                tenants={"acme": 3})
+    assert pressure.lane("gone") == LanePressure(queued=0, max_queued=0, inflight=0, limit=1, slot_free=False,
+                                                 closed=True)
     assert pressure.lane("no-such-lane") is None
-    assert pressure.overall() == LanePressure(queued=3, max_queued=6, inflight=2, limit=7)
+    assert pressure.lane("spare").slot_free  # type: ignore[union-attr]
     assert pressure.drain_s("interactive") > 0
     assert pressure.policy is policy
     controller.reconfigure(make_policy(shadow=True))
     assert pressure.lane("interactive") == LanePressure(queued=3, max_queued=4, inflight=2, limit=2,
-                                                        shadow=True, tenants={"acme": 3})
+                                                        slot_free=False, shadow=True, tenants={"acme": 3})
     controller.reconfigure(policy)
     controller.pause("interactive")
     assert pressure.lane("interactive").paused  # type: ignore[union-attr]

@@ -1,0 +1,311 @@
+"""The edge shed: the cheap, coarse decision taken before ext_proc, and per-tenant budgets.
+
+How this works: the edge sees what Envoy's ratelimit filter sends as a request arrives —
+method, path and the headers the policy trusts, no body. :class:`Edge` runs the one intake
+on them (so lane and tenant are ext_proc's), then judges the request against
+
+* its lane: closed, or shed by saturation (retrying cannot help soon); or its queue holding
+  ``queue_share`` of its places while no slot is free — "free" as the scheduler itself decides
+  admission (:meth:`Scheduler.admissible`, borrowing and owed slots included), never a rule of
+  its own — unless the tenant is below its fair share of that queue;
+* the tenant's token budget (in debt: shed) and request budget (empty: shed; taken only from a
+  request nothing else refuses).
+
+A request whose lane depends on its model (unknown here) is shed only when every lane it could
+land in sheds. Token usage reported when a response ends is charged to the tenant's token
+budget, which may go into debt. Pure: every call takes ``now``; the live rate limit service
+and the simulator drive the same object.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from extproc.core.admission import Scheduler
+from extproc.core.budget import Budget, Rate, Verdict
+from extproc.core.decision import Reason, Rejection, reject
+from extproc.core.intake import Intake
+from extproc.core.retry import retry_after
+from extproc.policy.ratelimit import RateLimit, TenantLimit
+from extproc.policy.schema import Lane, Policy
+
+#: Lane label of a decision whose lane depends on the model (not known at the edge).
+ANY_LANE = "*"
+#: Descriptor entries that are not request headers.
+NOT_HEADERS = frozenset({"generic_key", "method", "path"})
+#: A status count with no limit to report.
+UNLIMITED = 2**32 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class LanePressure:
+    """A lane's load as the edge sees it."""
+
+    queued: int
+    max_queued: int
+    inflight: int
+    limit: int
+    """The in-flight limit in force (saturation may have shrunk it)."""
+    slot_free: bool = True
+    """Whether one more request of this lane could start now, by the scheduler's own rule."""
+    shed_by: str | None = None
+    """What sheds this lane under saturation (None: not shed)."""
+    signal: str | None = None
+    """The signal that made it shed, for logs."""
+    closed: bool = False
+    """Closed by policy: every request is rejected."""
+    paused: bool = False
+    """Paused by an operator: nothing starts, requests queue until their deadline."""
+    shadow: bool = False
+    """The lane only observes (policy or lane shadow mode): the edge must not block it either."""
+    tenants: Mapping[str, int] = field(default_factory=dict)
+    """Queued requests by tenant (for fair shares of a full queue)."""
+
+
+class Pressure(Protocol):
+    """Read-only view of the scheduler; every call reads the current state."""
+
+    @property
+    def policy(self) -> Policy: ...
+
+    def lane(self, name: str) -> LanePressure | None: ...
+
+    def drain_s(self, lane: str) -> float:
+        """Estimated seconds until a request queued now, behind the whole queue, would start."""
+        ...
+
+
+class SchedulerPressure:
+    """``Pressure`` read from a scheduler (the live one, or the simulator's)."""
+
+    def __init__(self, scheduler: Scheduler, clock: Callable[[], float]) -> None:
+        self._scheduler = scheduler
+        self._clock = clock
+
+    @property
+    def policy(self) -> Policy:
+        return self._scheduler.policy
+
+    def lane(self, name: str) -> LanePressure | None:
+        # One lane, not the whole snapshot: the edge asks on every request.
+        scheduler = self._scheduler
+        view = scheduler.lane_view(name)
+        if view is None:
+            return None
+        return LanePressure(queued=view.queued, max_queued=view.max_queued, inflight=view.inflight,
+                            limit=view.effective_limit, slot_free=scheduler.admissible(name),
+                            shed_by=view.shed_by, signal=view.shed_signal, closed=view.closed,
+                            paused=view.paused, shadow=view.shadow, tenants=view.tenants)
+
+    def drain_s(self, lane: str) -> float:
+        return self._scheduler.backlog_wait(lane, self._clock())
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """One limit's view of a request: over or not, and the status to report for it."""
+
+    over: bool
+    reason: Reason | None
+    name: str
+    limit: int
+    unit: str | None
+    """The budget's unit of time (``second`` … ``day``); None for a lane: places, not a rate."""
+    remaining: int
+    reset_s: float
+    """Seconds until the limit has room again (0 when it has room now)."""
+
+
+def may_crowd(tenant: str, queued: Mapping[str, int], weight: Callable[[str], float]) -> bool:
+    """Whether a full queue would still take ``tenant``: some other tenant holds more places per
+    unit of weight than ``tenant`` would after queueing (the rule of LaneQueue.crowding)."""
+    mine = (queued.get(tenant, 0) + 1) / weight(tenant)
+    return any(name != tenant and size / weight(name) > mine for name, size in queued.items())
+
+
+def lane_check(name: str, lane: Lane, pressure: LanePressure, *, tenant: str, weight: Callable[[str], float],
+               queue_share: float, shed_saturated: bool, retry_max_s: float,
+               drain_s: Callable[[], float]) -> Check:
+    """Whether the edge sheds ``tenant``'s request to ``lane`` under ``pressure``.
+
+    The lane's room is its slots plus the queue places before the edge sheds
+    (``queue_share`` of ``max_queued``, rounded up). A full queue sheds only if no slot is
+    free either (the scheduler's verdict), and only a tenant that already holds its fair
+    share of the queue. ``drain_s`` is called only for a full lane.
+    """
+    threshold = math.ceil(queue_share * pressure.max_queued)
+    room = pressure.limit + threshold
+    remaining = max(room - pressure.inflight - pressure.queued, 0)
+    label = f"lane:{name}"
+    if lane.closed or pressure.closed:
+        return Check(True, Reason.LANE_CLOSED, label, room, None, 0, retry_max_s)
+    if shed_saturated and pressure.shed_by is not None:
+        return Check(True, Reason.SATURATED, label, room, None, 0, retry_max_s)
+    crowds = pressure.max_queued > 0 and may_crowd(tenant, pressure.tenants, weight)
+    if not pressure.slot_free and pressure.queued >= threshold and not crowds:
+        drain = drain_s()
+        wait = drain if math.isfinite(drain) and drain > 0 else 0.0
+        return Check(True, Reason.QUEUE_FULL, label, room, None, 0, wait)
+    return Check(False, None, label, room, None, remaining, 0.0)
+
+
+def rate_of(limit: int, tenant_limit: TenantLimit) -> Rate:
+    """The bucket for ``limit`` units per ``tenant_limit.per``; it always holds at least one unit."""
+    return Rate(limit / tenant_limit.unit_seconds, max(limit * tenant_limit.burst, 1.0))
+
+
+def budget_check(name: str, reason: Reason, limit: int, tenant_limit: TenantLimit,
+                 verdict: Verdict) -> Check:
+    reset = verdict.full_s if verdict.allowed else verdict.wait_s
+    return Check(not verdict.allowed, None if verdict.allowed else reason, name, limit,
+                 tenant_limit.per, max(math.floor(verdict.remaining), 0), reset)
+
+
+@dataclass(frozen=True, slots=True)
+class Judgement:
+    """The decision on one request descriptor."""
+
+    lane: str
+    tenant: str
+    status: Check
+    """The check reported in the descriptor's status: the one that sheds longest, else the tightest."""
+    over: tuple[Check, ...]
+    shadow: bool = False
+    """Decided and counted, but answered OK (shadow mode, or a lane that only observes)."""
+
+    @property
+    def reason(self) -> Reason | None:
+        return self.status.reason if self.over else None
+
+    @property
+    def retry_helps(self) -> bool:
+        return all(c.reason is None or c.reason.retry_helps for c in self.over)
+
+
+def judge(lane: str, tenant: str, checks: list[Check], *, shadow: bool = False) -> Judgement:
+    over = tuple(c for c in checks if c.over)
+    status = max(over, key=lambda c: c.reset_s) if over else min(checks, key=lambda c: c.remaining)
+    return Judgement(lane, tenant, status, over, shadow)
+
+
+@dataclass(frozen=True, slots=True)
+class Shed:
+    """An OVER_LIMIT answer: what the client sees, and the saturation rule behind it (if any)."""
+
+    rejection: Rejection
+    lane: str | None
+    rule: str | None
+    signal: str | None
+
+
+class Edge:
+    """The edge of one running scheduler: per-policy intake, tenant budgets, judgements."""
+
+    def __init__(self, pressure: Pressure, rng: random.Random | None = None,
+                 max_tenants: int = 10_000) -> None:
+        self.pressure = pressure
+        self._rng = rng or random.Random()
+        self._intake: Intake | None = None
+        self.requests = Budget(max_tenants)
+        self.tokens = Budget(max_tenants)
+
+    def _intake_of(self, policy: Policy) -> Intake:
+        intake = self._intake
+        if intake is None or intake.policy is not policy:
+            intake = self._intake = Intake(policy)
+        return intake
+
+    def request(self, entries: Mapping[str, str]) -> tuple[str, list[str]]:
+        """The tenant and every lane the request could land in (the one intake, without a body)."""
+        intake = self._intake_of(self.pressure.policy)
+        headers = {k: v for k, v in entries.items() if k not in NOT_HEADERS}
+        method, path = entries.get("method", ""), entries.get("path", "")
+        return intake.tenant(method, path, headers), intake.lanes(method, path, headers)
+
+    def _sized(self, config: RateLimit) -> None:
+        if config.budgets.max_tenants != self.requests.max_keys:
+            self.requests.resize(config.budgets.max_tenants)
+            self.tokens.resize(config.budgets.max_tenants)
+
+    def judge(self, config: RateLimit, entries: Mapping[str, str], hits: int, now: float) -> Judgement:
+        """The decision on one arrival descriptor (``hits``: the requests it stands for)."""
+        self._sized(config)
+        policy = self.pressure.policy
+        tenant, candidates = self.request(entries)
+        weights, default = policy.tenants.weights, policy.tenants.default_weight
+
+        def weight(name: str) -> float:
+            return weights.get(name, default)
+
+        checks: list[Check] = []
+        # A request that may land in a lane that only observes must not be blocked here either.
+        shadow = config.mode == "shadow"
+        lane_checks: list[Check] = []
+        configs = {lane.name: lane for lane in policy.lanes}
+        for name in candidates:
+            pressure = self.pressure.lane(name)
+            config_of_lane = configs.get(name)
+            if pressure is None or config_of_lane is None:
+                continue
+            # A paused lane holds its requests even in shadow mode, as ext_proc does.
+            shadow = shadow or (pressure.shadow and not pressure.paused)
+            lane_checks.append(lane_check(
+                name, config_of_lane, pressure, tenant=tenant, weight=weight, queue_share=config.queue_share,
+                shed_saturated=config.shed_saturated, retry_max_s=policy.retry_after.max,
+                drain_s=lambda name=name: self.pressure.drain_s(name)))  # type: ignore[misc]
+        if lane_checks:
+            # Shed only if every lane the request could land in sheds; else report one that has room.
+            open_lanes = [c for c in lane_checks if not c.over]
+            checks.append(open_lanes[0] if open_lanes else lane_checks[0])
+        limits = config.budgets.of(tenant)
+        if limits.tokens is not None:
+            rate = rate_of(limits.tokens, limits)
+            checks.append(budget_check("tenant_tokens", Reason.TENANT_TOKENS, limits.tokens, limits,
+                                       self.tokens.check(tenant, rate, 1.0, now)))
+        if limits.requests is not None:
+            rate = rate_of(limits.requests, limits)
+            # Taken only when nothing else refuses the request: a refused request costs nothing.
+            if any(c.over for c in checks):
+                verdict = self.requests.check(tenant, rate, hits, now)
+            else:
+                verdict = self.requests.take(tenant, rate, hits, now)
+            checks.append(budget_check("tenant_requests", Reason.TENANT_REQUESTS, limits.requests,
+                                       limits, verdict))
+        lane = candidates[0] if len(candidates) == 1 else ANY_LANE
+        if not checks:
+            checks.append(Check(False, None, "none", 0, None, UNLIMITED, 0.0))
+        return judge(lane, tenant, checks, shadow=shadow)
+
+    def charge(self, config: RateLimit, entries: Mapping[str, str], tokens: int, now: float) -> str:
+        """Charge reported token usage to the request's tenant; returns the tenant."""
+        self._sized(config)
+        tenant, _ = self.request(entries)
+        limits = config.budgets.of(tenant)
+        if limits.tokens is not None and tokens > 0:
+            self.tokens.charge(tenant, rate_of(limits.tokens, limits), tokens, now)
+        return tenant
+
+    def shed(self, shed: list[Judgement], permit_retry: Callable[[], bool] | None = None) -> Shed:
+        """The answer to a request some of whose descriptors are over their limits."""
+        policy = self.pressure.policy
+        worst = max(shed, key=lambda j: j.status.reset_s)
+        reason = worst.reason
+        assert reason is not None
+        wait = retry_after(worst.status.reset_s, policy.retry_after, self._rng)
+        lane = worst.lane if worst.lane != ANY_LANE else None
+        signal = rule = None
+        if lane is not None and reason is Reason.SATURATED:
+            pressure = self.pressure.lane(lane)
+            if pressure is not None and pressure.shed_by is not None:
+                # Named as ext_proc names it, so a client or an SRE sees the same cause either way.
+                signal, rule = pressure.signal, pressure.shed_by
+        retry_helps = all(j.retry_helps for j in shed)
+        # A shed that lets its client retry reserves that retry in the retry budget; with no room
+        # it says x-should-retry: false, saving the client the attempt.
+        allowed = retry_helps and (permit_retry is None or permit_retry())
+        rejection = reject(reason, lane, wait, signal=signal, rule=rule, retry_allowed=allowed)
+        return Shed(rejection, lane, rule, signal)
