@@ -1,11 +1,14 @@
-"""The live driver of the pure scheduler: wall clock, futures for held requests, timers.
+"""The live driver of the pure core: wall clock, futures for held requests, timers, the store.
 
-How this works: every call into the scheduler happens on the event loop's
-thread, so the scheduler needs no locks. Decisions that concern *other*
-requests (a queued request admitted because a slot freed, one rejected because
-its deadline passed or it was evicted) resolve that request's future; the
-handler holding it wakes and answers Envoy. One background task sleeps until
-the scheduler's next deadline and calls ``expire``.
+How this works: every decision is the core's (:class:`~extproc.core.gatekeeper.Gatekeeper`);
+this module only runs it live. Every call into it happens on the event loop's thread, so
+it needs no locks. Decisions that concern *other* requests (a queued request admitted
+because a slot freed, one rejected because its deadline passed or it was evicted) resolve
+that request's future; the handler holding it wakes and answers Envoy. One background task
+sleeps until the scheduler's next deadline and calls ``expire``; with a shared store, another
+publishes this replica's queues and reads the cluster's counts, and ``confirm`` takes each
+admitted request's slot in the store before Envoy hears "admit". Metrics are recorded here,
+from the decisions.
 """
 
 from __future__ import annotations
@@ -20,12 +23,12 @@ from typing import Any
 
 import structlog
 
-from extproc.core.admission import Decision, LaneView, Scheduler, State, Ticket
+from extproc.core.admission import Decision, LaneView, State, Ticket
 from extproc.core.decision import Outcome, Reason
 from extproc.core.estimate import Job
+from extproc.core.gatekeeper import Gatekeeper
 from extproc.core.recent import ADMIT, REJECT, SHADOW, Recent
-from extproc.core.retry_budget import RetryBudget
-from extproc.core.saturation import Effect, Reading, Saturation
+from extproc.core.saturation import Effect, Reading
 from extproc.metrics import Metrics
 from extproc.policy.schema import Policy
 from extproc.state import GlobalView, LaneLimits, Ledger, Limits
@@ -40,7 +43,8 @@ _RETRY_MAX_S = 2.0
 class Controller:
     def __init__(self, policy: Policy, metrics: Metrics, *, clock: Callable[[], float] = time.monotonic,
                  rng: random.Random | None = None, ledger: Ledger | None = None) -> None:
-        self.scheduler = Scheduler(policy, rng)
+        self.gate = Gatekeeper(policy, rng)
+        self.scheduler = self.gate.scheduler
         self.metrics = metrics
         #: The current time in seconds: the clock itself, not a method wrapping it (read several
         #: times per request).
@@ -56,9 +60,9 @@ class Controller:
         #: Called after every policy swap (the classifier is rebuilt there).
         self.on_reconfigure: list[Callable[[Policy], None]] = []
         #: Saturation rules over cluster signals; readings arrive through ``on_signals``.
-        self.saturation = Saturation(policy.signals)
+        self.saturation = self.gate.saturation
         #: Retries may only be a share of admitted originals (checked in ``submit``).
-        self.retry_budget = RetryBudget.of(policy.retry_budget)
+        self.retry_budget = self.gate.retry_budget
         #: The shared slot ledger when several replicas enforce one set of limits (None: alone).
         self.ledger = ledger
         self._limits = Limits.of(policy)
@@ -130,32 +134,24 @@ class Controller:
         self._settle(self.scheduler.resume(lane, self.now()))
 
     def apply_saturation(self, effects: Mapping[str, Effect]) -> None:
-        """What cluster signals say now; shed lanes' queued requests are answered at once."""
+        """Swap in what saturation does to each lane (tests and tools; signals go through on_signals)."""
         self._settle(self.scheduler.apply_saturation(effects, self.now()))
         self._update_idle()
 
     def on_signals(self, readings: Mapping[str, Reading], now: float) -> None:
         """New signal readings (``now`` on this controller's clock): re-evaluate saturation rules."""
-        changes = self.saturation.update(readings, now)
+        changes, decisions = self.gate.on_signals(readings, now)
         for change in changes:
             log.warning("saturation rule active" if change.active else "saturation rule released",
                         rule=change.rule, signal=change.signal, value=change.value, stale=change.stale,
                         why=change.why)
-        if changes:
-            self._apply_effects()
-
-    def _apply_effects(self) -> None:
-        saturation = self.saturation
-        self.apply_saturation({lane: saturation.effect(lane) for lane in saturation.lanes()})
+        self._settle(decisions)
+        self._update_idle()
 
     def reconfigure(self, policy: Policy) -> None:
         """Swap in a new policy at once; queued work it lets start is admitted."""
-        self._settle(self.scheduler.reconfigure(policy, self.now()))
+        self._settle(self.gate.reconfigure(policy, self.now()))
         self._limits = self._limits_now()
-        self.retry_budget.reconfigure(policy.retry_budget)
-        # Rules may have been added, removed or retargeted: re-derive every lane's effect.
-        self.saturation.reconfigure(policy.signals)
-        self._apply_effects()
         for listener in self.on_reconfigure:
             listener(policy)
         self._wake.set()
@@ -177,31 +173,22 @@ class Controller:
 
     def submit(self, lane: str, tenant: str, job: Job, *, retry: bool = False) -> Decision:
         """Decide a new request; ``retry``: its client says it is a retry (it spends retry budget)."""
-        now = self.now()
-        if retry and self.policy.retry_budget.enabled and not self.retry_budget.try_withdraw(now):
-            if not self.scheduler.shadowed(lane):
-                decision = self.scheduler.refuse(lane, tenant, job, Reason.RETRY_BUDGET, now)
-                self._record(decision)
-                return decision
-            # Shadow mode: counted as what enforcing would have done, then decided as usual.
+        submitted = self.gate.submit(lane, tenant, job, self.now(), retry=retry)
+        if submitted.budget_shadow:
             self.metrics.shadow_of(lane, Outcome.REJECTED.value, Reason.RETRY_BUDGET.value).inc()
-        decision, evicted = self.scheduler.submit(lane, tenant, job, now, retry=retry)
+        decision = submitted.decision
         self._record(decision)
         if decision.outcome is Outcome.QUEUED:
             self._waiters[decision.ticket.id] = asyncio.get_running_loop().create_future()
             self._wake.set()
-        self._settle(evicted)
+        self._settle(submitted.evicted)
         if self._idle is not None:
             self._update_idle()
         return decision
 
     def permit_retry(self) -> bool:
-        """A rejection may tell its client to retry: reserve that retry in the budget, if there is room.
-
-        False: the budget has no room, and the rejection should say ``x-should-retry: false``
-        (clients that obey it save an attempt that would be refused anyway).
-        """
-        return not self.policy.retry_budget.enabled or self.retry_budget.reserve(self.now())
+        """A rejection may tell its client to retry: reserve that retry in the budget, if there is room."""
+        return self.gate.permit_retry(self.now())
 
     async def wait(self, ticket: Ticket) -> Decision:
         """Wait until a queued ticket is admitted or rejected."""
@@ -382,8 +369,7 @@ class Controller:
         metrics = self.metrics
         metrics.decisions_of(lane, decision.outcome.value).inc()
         if decision.outcome is Outcome.ADMITTED:
-            if not ticket.retry:
-                self.retry_budget.deposit(ticket.admitted_at or 0.0)
+            self.gate.admitted(decision)
             wait = ticket.queue_wait
             metrics.queue_wait_of(lane).observe(wait)
             shadow = decision.shadow

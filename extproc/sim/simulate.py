@@ -1,16 +1,23 @@
-"""Offline what-if simulator: the live scheduling core on a virtual clock.
+"""Offline what-if simulator: the live decision core on a virtual clock.
 
-How this works: a discrete-event loop takes, in time order, the next of three
+How this works: a discrete-event loop takes, in time order, the next of four
 kinds of events — a request arriving (or a client retrying or giving up), the
-engine's next step boundary, and the scheduler's next deadline. The scheduler
-is ``extproc.core.admission.Scheduler``, driven exactly as the live service
-drives it (submit on arrival, release when the request finishes, expire at
-deadlines); the backend is ``extproc.sim.engine.Engine``, the same timing model
-the simulated backend serves over HTTP. Requests are classified by the same
-``Classifier`` and sized by the same estimator, from what the live service
-would see of them. Only the clock differs, so a policy edit can be tried on
-yesterday's traffic in seconds, and the results can be checked against
-queueing theory.
+engine's next step boundary, the scheduler's next deadline, and the next poll of
+the policy's cluster signals. Every decision is the live service's own: the one
+intake (``core.intake``) classifies and sizes each attempt from what the live
+service would see of it (its headers, the gateway's, its retry count, its body's
+sizes); the edge (``core.edge``) sheds it or not, with the same tenant budgets;
+the gatekeeper (``core.gatekeeper``: scheduler, retry budget, saturation rules)
+admits, queues or rejects it; every refusal is rendered as live
+(``core.decision.reject``), and simulated clients read ``retry-after`` and
+``x-should-retry`` from it like the OpenAI SDKs. Signals the engine model can
+answer (KV-cache usage, waiting and running requests, by scrape preset, vLLM
+metric name or a Prometheus query on them) are read from it on each source's
+interval; others never arrive and go stale, as an unreachable source would. The
+backend is ``extproc.sim.engine.Engine``, the same timing model the simulated
+backend serves over HTTP. Only time and the backend are simulated, so a policy
+edit can be tried on yesterday's traffic in seconds, and the results can be
+checked against queueing theory.
 
 Three ways to run the same requests: no admission control (everything goes
 straight to the engine, whose own queue is FIFO and unbounded), FIFO with a
@@ -33,9 +40,12 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from extproc.core.admission import Decision, Scheduler, Ticket
-from extproc.core.classify import Classifier, RequestFacts
-from extproc.core.decision import Outcome
+from extproc.core.admission import Decision, Ticket
+from extproc.core.decision import Outcome, Reason, reject
+from extproc.core.edge import Edge, SchedulerPressure
+from extproc.core.gatekeeper import Gatekeeper
+from extproc.core.intake import Intake
+from extproc.core.saturation import Reading
 from extproc.policy.schema import Policy
 from extproc.sim.engine import Engine, Finished, FirstToken, RequestRejected
 from extproc.sim.profiles import Profile, get_profile
@@ -76,6 +86,8 @@ class Run:
     events: int = 0
     peak_running: int = 0
     """Most sequences the engine ran at once (the policy's capacity must bound it)."""
+    signals: list[str] = field(default_factory=list)
+    """The policy's signals the engine model answered (the others went stale)."""
 
 
 def capacity_rps(profile: Profile, time_scale: float, spec: WorkloadSpec, batch: int | None = None
@@ -106,21 +118,30 @@ def fifo_policy(policy: Policy, max_queued: int | None = None) -> Policy:
         "estimation": policy.estimation.model_dump(),
         "capacity": {"max_hold": policy.capacity.max_hold},
         "retry_after": policy.retry_after.model_dump(),
+        # A plain capped queue: no edge shed, no retry budget.
+        "ratelimit": {"mode": "off"},
+        "retry_budget": {"enabled": False},
     })
 
 
-def _facts(request: Request, policy: Policy) -> tuple[RequestFacts, bool]:
-    """What the live service would know of this request, and whether it would read its body."""
-    # What extproc sees behind the gateway: the client's headers, then what the gateway derived from
-    # its key (the gateway strips client x-extproc-* headers first; the live intake drops untrusted ones).
-    headers = {k.lower(): v for k, v in request.headers.items()}
-    headers.update((k.lower(), v) for k, v in request.gateway.items())
-    model_header = policy.estimation.model_header
-    model = headers.get(model_header) if model_header else None
-    reads_body = policy.needs_body
-    if reads_body and model is None:
-        model = request.model
-    return RequestFacts("POST", request.path, headers, model), reads_body
+#: Engine quantities a signal may name, by what names them.
+_ENGINE_PRESETS = {"kv_cache_usage": "kv", "waiting_requests": "waiting", "running_requests": "running"}
+_ENGINE_METRICS = {"kv_cache_usage_perc": "kv", "gpu_cache_usage_perc": "kv",
+                   "num_requests_waiting": "waiting", "num_requests_running": "running"}
+
+
+def engine_signals(policy: Policy) -> dict[str, str]:
+    """The policy's signals the engine model answers: signal name → kv, waiting or running."""
+    out: dict[str, str] = {}
+    for name, signal in policy.signals.read.items():
+        if signal.preset is not None:
+            out[name] = _ENGINE_PRESETS[signal.preset]
+            continue
+        text = signal.metric or signal.query or ""
+        found = {quantity for metric, quantity in _ENGINE_METRICS.items() if metric in text}
+        if len(found) == 1 and "kueue" not in text:
+            out[name] = found.pop()
+    return out
 
 
 class Simulator:
@@ -135,8 +156,15 @@ class Simulator:
         """Simulate ``requests`` through ``policy`` (None: no admission control)."""
         rng = random.Random(self.seed)
         engine = Engine(self.profile, self.time_scale)
-        scheduler = Scheduler(policy, rng=random.Random(self.seed)) if policy is not None else None
-        classifier = Classifier(policy) if policy is not None else None
+        clock = [0.0]
+        gate = Gatekeeper(policy, rng=random.Random(self.seed)) if policy is not None else None
+        intake = Intake(policy, gate.scheduler.estimator) if policy is not None and gate is not None else None
+        edge = Edge(SchedulerPressure(gate.scheduler, lambda: clock[0]), random.Random(self.seed + 1)) \
+            if gate is not None else None
+        signals = engine_signals(policy) if policy is not None else {}
+        poll = min((s.interval for s in policy.signals.sources.values()), default=math.inf) \
+            if policy is not None and policy.signals.read else math.inf
+        next_poll = 0.0 if math.isfinite(poll) else math.inf
         states = [_State(r) for r in requests]
         by_ticket: dict[int, _State] = {}
         served: dict[str, dict[str, float]] = {}
@@ -167,16 +195,27 @@ class Simulator:
                 st.in_engine = True
             except RequestRejected:
                 finish(st, 400, None, "too_long")
-                if scheduler is not None and st.ticket is not None:
-                    settle(scheduler.release(st.ticket, now, learn=False), now)
+                if gate is not None and st.ticket is not None:
+                    settle(gate.scheduler.release(st.ticket, now, learn=False), now)
+
+        def refused(st: _State, status: int, headers: dict[str, str], reason: str, now: float) -> None:
+            """A refusal as the client reads it: retry after a while, or give up."""
+            nonlocal seq
+            delay = retry_delay(self.client, st.attempts, status, headers, rng)
+            if delay is None:
+                finish(st, status, None, reason)
+            else:
+                heapq.heappush(heap, (now + delay, seq, _ARRIVE, st.request.index))
+                seq += 1
 
         def settle(decisions: Iterable[Decision], now: float) -> None:
-            nonlocal seq
+            assert gate is not None
             for d in decisions:
                 st = by_ticket.get(d.ticket.id)
                 if st is None or st.result is not None:
                     continue
                 if d.outcome is Outcome.ADMITTED:
+                    gate.admitted(d)
                     st.queue_wait = d.ticket.queue_wait
                     lane = served.setdefault(d.ticket.lane, {})
                     lane[d.ticket.tenant] = lane.get(d.ticket.tenant, 0.0) + d.ticket.predicted
@@ -184,23 +223,73 @@ class Simulator:
                 elif d.outcome is Outcome.REJECTED:
                     by_ticket.pop(d.ticket.id, None)
                     st.ticket = None
-                    status = d.reason.http_status if d.reason is not None else 429
-                    delay = retry_delay(self.client, st.attempts, status,
-                                        {"retry-after": str(d.retry_after)}, rng)
-                    if delay is None:
-                        finish(st, status, None, d.reason.value if d.reason else "")
-                    else:
-                        heapq.heappush(heap, (now + delay, seq, _ARRIVE, st.request.index))
-                        seq += 1
+                    reason = d.reason or Reason.QUEUE_FULL
+                    allowed = not reason.retry_helps or gate.permit_retry(now)
+                    rejection = reject(reason, d.ticket.lane, d.retry_after, retry_allowed=allowed)
+                    refused(st, rejection.status, dict(rejection.headers), reason.value, now)
+
+        def arrive(st: _State, now: float) -> None:
+            assert gate is not None
+            assert intake is not None
+            assert edge is not None
+            assert policy is not None
+            r = st.request
+            headers = {k.lower(): v for k, v in r.headers.items()}
+            headers.update((k.lower(), v) for k, v in r.gateway.items())
+            headers["x-stainless-retry-count"] = str(st.attempts - 1)
+            config = policy.ratelimit
+            if config.mode != "off":
+                entries = {"generic_key": config.request_descriptor, "method": "POST", "path": r.path,
+                           **{k: v for k, v in headers.items() if k in policy.trusted_headers}}
+                judgement = edge.judge(config, entries, 1, now)
+                if judgement.over and not judgement.shadow:
+                    shed = edge.shed([judgement], lambda: gate.permit_retry(now))
+                    st.lane, st.tenant = judgement.lane, judgement.tenant
+                    reason = judgement.reason.value if judgement.reason else ""
+                    refused(st, shed.rejection.status, dict(shed.rejection.headers), reason, now)
+                    return
+            head = intake.head("POST", r.path, headers)
+            arrival = intake.sized(head, model=r.model, prompt_tokens=r.prompt_tokens,
+                                   output_tokens=r.output_tokens)
+            st.lane, st.tenant = arrival.lane, arrival.tenant
+            submitted = gate.submit(arrival.lane, arrival.tenant, arrival.job, now, retry=arrival.retry)
+            by_ticket[submitted.decision.ticket.id] = st
+            st.ticket = submitted.decision.ticket
+            settle([submitted.decision, *submitted.evicted], now)
+
+        def usage(st: _State, now: float) -> None:
+            # The simulated backend reports usage in a header on answers that are not streamed, the
+            # live edge charges it when the response ends: the same here.
+            assert policy is not None
+            assert edge is not None
+            config = policy.ratelimit
+            if config.mode == "off" or st.request.stream:
+                return
+            headers = {**st.request.headers, **st.request.gateway}
+            entries = {"generic_key": config.usage_descriptor,
+                       **{k.lower(): v for k, v in headers.items() if k.lower() in policy.trusted_headers}}
+            edge.charge(config, entries, st.request.prompt_tokens + st.request.output_tokens, now)
 
         while True:
             t_heap = heap[0][0] if heap else math.inf
             t_engine = engine.next_event_time()
-            t_sched = scheduler.next_timer() if scheduler is not None else None
+            t_sched = gate.scheduler.next_timer() if gate is not None else None
             now = min(t_heap, math.inf if t_engine is None else t_engine,
                       math.inf if t_sched is None else t_sched)
             if now == math.inf:
                 break
+            if next_poll <= now:
+                # Signals are read on their sources' interval, while anything is still going on.
+                now = next_poll
+                next_poll += poll
+                assert gate is not None
+                values = {"kv": engine.kv_usage, "waiting": float(engine.waiting),
+                          "running": float(engine.running)}
+                readings = {name: Reading(values[quantity], now) for name, quantity in signals.items()}
+                _, decisions = gate.on_signals(readings, now)
+                clock[0] = now
+                settle(decisions, now)
+            clock[0] = now
             while heap and heap[0][0] <= now:
                 _, _, kind, index = heapq.heappop(heap)
                 st = states[index]
@@ -211,27 +300,18 @@ class Simulator:
                     if st.in_engine:
                         engine.cancel(str(index), now)
                     finish(st, -1, None, "timeout")
-                    if scheduler is not None and st.ticket is not None:
+                    if gate is not None and st.ticket is not None:
                         by_ticket.pop(st.ticket.id, None)
-                        settle(scheduler.release(st.ticket, now, learn=False), now)
+                        settle(gate.scheduler.release(st.ticket, now, learn=False), now)
                     continue
                 st.attempts += 1
-                if scheduler is None or classifier is None or policy is None:
+                if gate is None:
                     to_engine(st, now)
                     continue
-                facts, reads_body = _facts(st.request, policy)
-                cls = classifier.classify(facts)
-                st.lane, st.tenant = cls.lane, cls.tenant
-                job = (scheduler.estimator.job(facts.model, 0, st.request.prompt_tokens,
-                                               st.request.output_tokens)
-                       if reads_body else scheduler.estimator.job(facts.model, 0, 0, None))
-                decision, evicted = scheduler.submit(cls.lane, cls.tenant, job, now)
-                by_ticket[decision.ticket.id] = st
-                st.ticket = decision.ticket
-                settle([decision, *evicted], now)
-            if scheduler is not None and t_sched is not None and t_sched <= now:
+                arrive(st, now)
+            if gate is not None and t_sched is not None and t_sched <= now:
                 events += 1
-                settle(scheduler.expire(now), now)
+                settle(gate.scheduler.expire(now), now)
             events_now = engine.advance(now)
             peak = max(peak, engine.running)
             for event in events_now:
@@ -241,19 +321,21 @@ class Simulator:
                     st.first_token = event.time
                 elif isinstance(event, Finished):
                     st.in_engine = False
-                    if scheduler is None:
+                    if gate is None:
                         # Without admission control the only queue is the engine's own.
                         st.queue_wait = event.queue_time
                     if st.first_token is None:
                         st.first_token = event.time - (event.e2e - event.ttft)
                     finish(st, 200, event.time)
-                    if scheduler is not None and st.ticket is not None:
+                    if gate is not None and st.ticket is not None:
                         by_ticket.pop(st.ticket.id, None)
-                        settle(scheduler.release(st.ticket, event.time), event.time)
+                        clock[0] = event.time
+                        usage(st, event.time)
+                        settle(gate.scheduler.release(st.ticket, event.time), event.time)
         results = [st.result or Result(st.request.index, st.request.cls, st.request.tenant, st.request.at, -1,
                                        None, None, st.attempts, st.request.output_tokens, "unfinished")
                    for st in states]
-        return Run(mode, results, served, events, peak)
+        return Run(mode, results, served, events, peak, sorted(signals))
 
 
 def tenant_shares(run: Run, policy: Policy) -> dict[str, dict[str, tuple[float, float]]]:

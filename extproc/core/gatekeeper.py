@@ -1,0 +1,96 @@
+"""Every admission decision of one running policy, in one pure object.
+
+How this works: the :class:`Gatekeeper` owns the scheduler (lanes, queues, limits), the
+retry budget and the saturation rules, and takes every decision that concerns them, each
+call with an explicit ``now``:
+
+* :meth:`submit` — a new request: a retry over the retry budget is refused (or only counted,
+  in shadow mode), anything else goes to the scheduler (admitted, queued or rejected);
+* :meth:`admitted` — an admission became final (at once, or once a shared store granted its
+  slot): an original request deposits into the retry budget;
+* :meth:`permit_retry` — a rejection that lets its client retry reserves that retry;
+* :meth:`on_signals` — new cluster signal readings: saturation rules re-evaluated, lanes shed or
+  shrunk (queued requests of a shed lane are answered at once);
+* :meth:`reconfigure` — a new policy, swapped in with queued work kept.
+
+The live controller drives it with the wall clock and futures; the offline simulator with a
+virtual clock; ``policy explain`` with a frozen one. None of them decides anything itself.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from extproc.core.admission import Decision, Scheduler
+from extproc.core.decision import Outcome, Reason
+from extproc.core.estimate import Job
+from extproc.core.retry_budget import RetryBudget
+from extproc.core.saturation import Change, Reading, Saturation
+from extproc.policy.schema import Policy
+
+
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    """What a new request got, and what it cost others."""
+
+    decision: Decision
+    evicted: tuple[Decision, ...] = ()
+    """Queued requests it pushed out (rejected)."""
+    budget_shadow: bool = False
+    """Shadow mode: a retry the retry budget would have refused, let through."""
+
+
+class Gatekeeper:
+    def __init__(self, policy: Policy, rng: random.Random | None = None) -> None:
+        self.scheduler = Scheduler(policy, rng)
+        self.retry_budget = RetryBudget.of(policy.retry_budget)
+        self.saturation = Saturation(policy.signals)
+
+    @property
+    def policy(self) -> Policy:
+        return self.scheduler.policy
+
+    def submit(self, lane: str, tenant: str, job: Job, now: float, *, retry: bool = False) -> Submitted:
+        """Decide a new request; ``retry``: its client says it is a retry (it spends retry budget)."""
+        shadowed = False
+        if retry and self.policy.retry_budget.enabled and not self.retry_budget.try_withdraw(now):
+            if not self.scheduler.shadowed(lane):
+                return Submitted(self.scheduler.refuse(lane, tenant, job, Reason.RETRY_BUDGET, now))
+            shadowed = True  # counted as what enforcing would have done, then decided as usual
+        decision, evicted = self.scheduler.submit(lane, tenant, job, now, retry=retry)
+        return Submitted(decision, tuple(evicted), shadowed)
+
+    def admitted(self, decision: Decision) -> None:
+        """An admission is final: an original (not a retry) deposits into the retry budget."""
+        ticket = decision.ticket
+        if decision.outcome is Outcome.ADMITTED and not ticket.retry:
+            self.retry_budget.deposit(ticket.admitted_at or 0.0)
+
+    def permit_retry(self, now: float) -> bool:
+        """A rejection may tell its client to retry: reserve that retry, if the budget has room.
+
+        False: no room, and the rejection should say ``x-should-retry: false`` (clients that obey
+        it save an attempt that would be refused anyway).
+        """
+        return not self.policy.retry_budget.enabled or self.retry_budget.reserve(now)
+
+    def on_signals(self, readings: Mapping[str, Reading], now: float) -> tuple[list[Change], list[Decision]]:
+        """New signal readings: the rule changes they cause, and the decisions those cause."""
+        changes = self.saturation.update(readings, now)
+        return changes, (self._apply_effects(now) if changes else [])
+
+    def _apply_effects(self, now: float) -> list[Decision]:
+        saturation = self.saturation
+        return self.scheduler.apply_saturation({lane: saturation.effect(lane) for lane in saturation.lanes()},
+                                               now)
+
+    def reconfigure(self, policy: Policy, now: float) -> list[Decision]:
+        """Swap in a new policy at once; returns the queued work it lets start (or sheds)."""
+        out = self.scheduler.reconfigure(policy, now)
+        self.retry_budget.reconfigure(policy.retry_budget)
+        # Rules may have been added, removed or retargeted: re-derive every lane's effect.
+        self.saturation.reconfigure(policy.signals)
+        out.extend(self._apply_effects(now))
+        return out
