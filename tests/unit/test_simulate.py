@@ -256,7 +256,8 @@ def test_saturation_signals_read_from_the_engine_shed_lanes(demo_policy: Policy)
 
 
 def test_the_edge_and_tenant_budgets_apply_in_simulation(demo_policy: Policy) -> None:
-    policy = _with(demo_policy, ratelimit={"budgets": {"tenants": {"acme": {"requests": 60, "per": "minute"}}}})
+    budgets = {"tenants": {"acme": {"requests": 60, "per": "minute"}}}
+    policy = _with(demo_policy, ratelimit={"budgets": budgets})
     spec, requests = chatbot(0.7, 40)
     run = Simulator(LLAMA_70B_2XH100, time_scale=0.1, client=spec.client).run(requests, policy)
     refused = [r for r in run.results if r.reason == "tenant_request_budget"]
