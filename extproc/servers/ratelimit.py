@@ -189,7 +189,7 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
                     self.edge.charge(config, entries, hits, now)
             elif kind == config.request_descriptor:
                 judgement = self.edge.judge(config, entries, hits if explicit or hits else 1, now)
-                self._count(judgement)
+                self._count(judgement, entries)
                 if judgement.shadow:
                     if judgement.over:
                         # The access log shows it: %DYNAMIC_METADATA(envoy.filters.http.ratelimit:shadow)%.
@@ -208,20 +208,25 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _redact(self, tenant: str) -> str:
+    def _redaction(self) -> Redactor:
         policy = self.pressure.policy
         if self._redactor is None or self._redactor.policy is not policy:
             self._redactor = Redactor(policy, self._log_key)
-        return self._redactor.tenant(tenant)
+        return self._redactor
 
-    def _count(self, judgement: Judgement) -> None:
+    def _count(self, judgement: Judgement, entries: Mapping[str, str]) -> None:
         reason = judgement.reason
         code = "over_limit" if judgement.over else "ok"
         self.metrics.decisions_of(judgement.lane, code, reason.value if reason else "none",
                                   "true" if judgement.shadow else "false").inc()
         if judgement.over:
-            self.log.info("edge_shed", lane=judgement.lane, tenant=self._redact(judgement.tenant),
-                          reason=reason.value if reason else None, shadow=judgement.shadow)
+            redactor = self._redaction()
+            # Like a decision record, replayable: when, where to, and the trusted headers it carried.
+            self.log.info("edge_shed", lane=judgement.lane, tenant=redactor.tenant(judgement.tenant),
+                          reason=reason.value if reason else None, shadow=judgement.shadow,
+                          arrival=round(time.time(), 3), method=entries.get("method", ""),
+                          path=entries.get("path", "").split("?", 1)[0],
+                          headers=redactor.headers(entries, self.pressure.policy.trusted_headers))
 
     def _ignore(self, kind: str, value: str) -> None:
         self.metrics.ignored.labels(kind).inc()

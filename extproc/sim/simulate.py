@@ -418,6 +418,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time-scale", type=float, default=0.1)
     parser.add_argument("--fifo-cap", type=int, default=None,
                         help="queue cap of the FIFO baseline (default: the policy's lanes' queues summed)")
+    parser.add_argument("--verify", action="store_true",
+                        help="with --trace DECISION_LOG and --policy: replay every logged attempt through "
+                        "the core and report how often it decides as the live service did (lane, tenant, "
+                        "outcome); --json writes {\"verify\": {...}}")
     parser.add_argument("--json", dest="json_out", help="write the summaries here")
     parser.add_argument("--plot", help="write a PNG here")
 
@@ -442,6 +446,8 @@ def command(args: argparse.Namespace) -> int:
         raise SystemExit("extproc simulate: expected `compare A.yaml B.yaml` or no positional arguments")
     if not args.compare and not args.policy:
         raise SystemExit("extproc simulate: give --policy FILE (or `compare A.yaml B.yaml`)")
+    if args.verify:
+        return _verify(args)
     profile = get_profile(args.profile)
     try:
         if args.compare:
@@ -489,6 +495,37 @@ def command(args: argparse.Namespace) -> int:
         Path(args.json_out).write_text(json.dumps(doc, indent=1))
     if args.plot:
         _plot(columns, Path(args.plot))
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from extproc.policy import PolicyError, load_policy
+    from extproc.sim.verify import LogError, read_log_file, replay
+
+    if not args.trace or args.compare:
+        raise SystemExit("extproc simulate: --verify needs --trace DECISION_LOG and --policy FILE")
+    try:
+        policy = load_policy(args.policy)
+    except PolicyError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    try:
+        attempts = read_log_file(args.trace)
+    except (OSError, LogError) as exc:
+        print(f"extproc simulate: {exc}", file=sys.stderr)
+        return 2
+    if not attempts:
+        print(f"extproc simulate: {args.trace}: no decision records to replay", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    summary = replay(attempts, policy, seed=args.seed).summary()
+    print(f"{summary['requests']} logged attempts replayed in {time.perf_counter() - started:.1f}s: "
+          f"lane {summary['lane_agreement']:.1%}, tenant {summary['tenant_agreement']:.1%}, "
+          f"outcome {summary['outcome_agreement']:.1%} as the live service decided")
+    for kind, count in list(summary["disagreements"].items())[:8]:
+        print(f"  {count:6d}  live {kind}")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"verify": summary}, indent=1))
     return 0
 
 
