@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup system-deps demo serve test lint unit integration e2e clean
+.PHONY: setup system-deps demo serve test lint unit integration e2e protos clean
 
 # Debian packages the tests use, as command:package. Installed when missing (as root, or with sudo).
 SYSTEM_TOOLS := docker-compose:docker-compose promtool:prometheus redis-server:redis-server tmux:tmux
@@ -54,6 +54,12 @@ integration: setup
 
 e2e: setup
 	$(VENV)/bin/pytest tests/e2e
+
+# Regenerate extproc/api from protos/ after editing a .proto (the generated code is checked in;
+# tests/unit/test_protos.py fails when it does not match).
+PROTOS := $(shell find protos -name '*.proto')
+protos: setup
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

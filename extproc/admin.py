@@ -1,26 +1,31 @@
 """What an operator can see and do on a running extproc: the state document and the operations.
 
-The HTTP adapter (servers/admin.py) only maps routes onto these methods; ``extproc top``
-and dashboards read :meth:`Admin.state`. The document's shape is versioned: add keys,
-never rename them.
+The snapshot is the admin API's ``State`` message (``protos/extproc/api/admin/v1/admin.proto``).
+The adapters only map requests onto these methods: the HTTP admin port (servers/admin.py)
+serves it as the JSON document ``/admin/state``, the gRPC admin port (servers/admin_grpc.py)
+as itself; ``extproc top`` and dashboards read it. Add fields, never rename them.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
 
+from extproc.api.admin.v1 import admin_pb2 as pb
 from extproc.controller import Controller
+from extproc.core.admission import LaneView
 from extproc.core.saturation import RuleState
 from extproc.policy.watcher import PolicyFile, ReloadResult
 from extproc.signals.hub import SignalHub
 
+#: The version of the state snapshot's meaning (``State.version``).
 STATE_VERSION = 1
+_UINT32_MAX = 2**32 - 1
 
 
-def _round(value: float | None, digits: int = 4) -> float | None:
-    return None if value is None else round(value, digits)
+def _count(value: float) -> int:
+    """A count as the API's 32-bit unsigned integer (saturating, never wrapping)."""
+    return min(max(int(value), 0), _UINT32_MAX)
 
 
 class Admin:
@@ -49,9 +54,13 @@ class Admin:
     def resume(self, lane: str) -> None:
         self.controller.resume(lane)
 
-    # -- the state document -----------------------------------------------------------
+    def lanes(self) -> list[str]:
+        """The lanes an operator may name (for the error that answers an unknown one)."""
+        return sorted(self.controller.scheduler.snapshot(self.controller.now()))
 
-    def state(self) -> dict[str, Any]:
+    # -- the state snapshot ------------------------------------------------------------
+
+    def state(self) -> pb.State:
         controller = self.controller
         scheduler = controller.scheduler
         now = controller.now()
@@ -62,80 +71,86 @@ class Admin:
         lanes = []
         for name, view in sorted(views.items(), key=lambda item: (-item[1].priority, item[0])):
             r = recent.get(name)
-            lanes.append({
-                "name": name,
-                "priority": view.priority,
-                "inflight": view.inflight,
-                "limit": view.limit,
-                "effective_limit": view.effective_limit,
-                "borrowed": view.borrowed,
-                "queued": view.queued,
-                "max_queued": view.max_queued,
-                "paused": view.paused,
-                "closed": view.closed,
-                "shadow": view.shadow,
-                "retired": view.retired,
-                "shed": view.shed_by,
-                "wait_p50_s": _round(r.wait_p50) if r else None,
-                "wait_p95_s": _round(r.wait_p95) if r else None,
-                "admit_per_s": round(r.admit_per_s, 3) if r else 0.0,
-                "reject_per_s": round(r.reject_per_s, 3) if r else 0.0,
-                "shadow_reject_per_s": round(r.shadow_reject_per_s, 3) if r else 0.0,
-                "rejections": counts.get(name, {}),
-            })
+            lane = pb.Lane(
+                name=name, priority=view.priority, inflight=view.inflight, limit=view.limit,
+                effective_limit=view.effective_limit, borrowed=view.borrowed, queued=view.queued,
+                max_queued=view.max_queued, paused=view.paused, closed=view.closed, shadow=view.shadow,
+                retired=view.retired, shed=view.shed_by,
+                admit_per_s=round(r.admit_per_s, 3) if r else 0.0,
+                reject_per_s=round(r.reject_per_s, 3) if r else 0.0,
+                shadow_reject_per_s=round(r.shadow_reject_per_s, 3) if r else 0.0,
+                rejections={reason: _count(n) for reason, n in counts.get(name, {}).items()},
+            )
+            if r is not None and r.wait_p50 is not None:
+                lane.wait_p50_s = round(r.wait_p50, 4)
+            if r is not None and r.wait_p95 is not None:
+                lane.wait_p95_s = round(r.wait_p95, 4)
+            lanes.append(lane)
         wall = self._clock()
-        doc: dict[str, Any] = {
-            "version": STATE_VERSION,
-            "time": round(wall, 3),
-            "uptime_s": round(wall - self._started, 1),
-            "draining": scheduler.draining,
-            "shadow": scheduler.policy.shadow,
-            "policy": {
-                "file": policy_file.path,
-                "sha256": policy_file.sha256,
-                "loaded_at": round(policy_file.loaded_at, 3),
-                "reloads_ok": policy_file.reloads_ok,
-                "reloads_failed": policy_file.reloads_failed,
-                "last_error": list(policy_file.last_error) if policy_file.last_error else None,
-                # Since when the file on disk has been invalid while the previous policy serves.
-                "stale_since": round(policy_file.stale_since, 3) if policy_file.stale_since else None,
-            },
-            "capacity": {
-                "limit": scheduler.policy.total_capacity,
-                "inflight": scheduler.total_inflight,
-                "queued": scheduler.total_queued,
-            },
-            "window_s": controller.recent.window_s,
-            "lanes": lanes,
-            "signals": self._signals(now),
-            "saturation": [self._rule(rule, now, wall) for rule in controller.saturation.rules(now)],
-        }
-        return doc
+        policy = pb.Policy(
+            file=policy_file.path, sha256=policy_file.sha256, loaded_at=round(policy_file.loaded_at, 3),
+            reloads_ok=_count(policy_file.reloads_ok), reloads_failed=_count(policy_file.reloads_failed),
+            last_error=list(policy_file.last_error or ()))
+        if policy_file.stale_since:
+            policy.stale_since = round(policy_file.stale_since, 3)
+        return pb.State(
+            version=STATE_VERSION,
+            time=round(wall, 3),
+            uptime_s=round(wall - self._started, 1),
+            draining=scheduler.draining,
+            shadow=scheduler.policy.shadow,
+            policy=policy,
+            capacity=pb.Capacity(limit=_count(scheduler.policy.total_capacity),
+                                 inflight=_count(scheduler.total_inflight),
+                                 queued=_count(scheduler.total_queued)),
+            window_s=controller.recent.window_s,
+            lanes=lanes,
+            signals=self._signals(now),
+            saturation=[self._rule(rule, now, wall) for rule in controller.saturation.rules(now)],
+            tenants=self._tenants(views),
+        )
 
-    def _signals(self, now: float) -> list[dict[str, Any]]:
+    def _tenants(self, views: Mapping[str, LaneView]) -> list[pb.Tenant]:
+        tenants = self.controller.scheduler.policy.tenants
+        queued: dict[str, dict[str, int]] = {}
+        for lane, view in views.items():
+            for tenant, n in view.tenants.items():
+                queued.setdefault(tenant, {})[lane] = n
+        names = sorted(set(queued) | set(tenants.weights))
+        return [pb.Tenant(name=name, weight=tenants.weights.get(name, tenants.default_weight),
+                          queued=_count(sum(queued.get(name, {}).values())),
+                          queued_by_lane={lane: _count(n) for lane, n in queued.get(name, {}).items()})
+                for name in names]
+
+    def _signals(self, now: float) -> list[pb.Signal]:
         if self.signals is None:
             return []
-        return [{
-            "name": s.name,
-            "source": s.source,
-            "kind": s.kind,
-            "value": s.value,
-            "age_s": _round(s.age, 2),
-            "stale": s.stale,
-            "error": s.error,
-        } for s in self.signals.status(now)]
+        out = []
+        for s in self.signals.status(now):
+            signal = pb.Signal(name=s.name, source=s.source, kind=s.kind, stale=s.stale)
+            if s.value is not None:
+                signal.value = s.value
+            if s.age is not None:
+                signal.age_s = round(s.age, 2)
+            if s.error is not None:
+                signal.error = s.error
+            out.append(signal)
+        return out
 
     @staticmethod
-    def _rule(rule: RuleState, now: float, wall: float) -> dict[str, Any]:
-        return {
-            "rule": rule.name,
-            "signal": rule.signal,
-            "active": rule.active,
+    def _rule(rule: RuleState, now: float, wall: float) -> pb.SaturationRule:
+        out = pb.SaturationRule(rule=rule.name, signal=rule.signal, active=rule.active, stale=rule.stale,
+                                shed=list(rule.shed), shrink=dict(rule.shrink))
+        if rule.since is not None:
             # The scheduler's clock is monotonic: shown as wall-clock time for humans.
-            "since": round(wall - (now - rule.since), 3) if rule.since is not None else None,
-            "value": rule.value,
-            "stale": rule.stale,
-            "error": rule.error,
-            "shed": list(rule.shed),
-            "shrink": dict(rule.shrink),
-        }
+            out.since = round(wall - (now - rule.since), 3)
+        if rule.value is not None:
+            out.value = rule.value
+        if rule.error is not None:
+            out.error = rule.error
+        return out
+
+
+def reload_response(result: ReloadResult) -> pb.ReloadResponse:
+    return pb.ReloadResponse(ok=result.ok, changed=result.changed, sha256=result.sha256,
+                             problems=list(result.problems))

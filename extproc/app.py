@@ -28,12 +28,12 @@ from extproc.metrics import Metrics
 from extproc.policy.schema import Policy
 from extproc.policy.watcher import PolicyFile, ReloadResult
 from extproc.servers import admin as admin_http
-from extproc.servers import http
+from extproc.servers import admin_grpc, http
 from extproc.servers.extproc import ExternalProcessor
 from extproc.servers.ratelimit import SERVICE as RATELIMIT_SERVICE
 from extproc.servers.ratelimit import ControllerPressure, RateLimitMetrics, RateLimitService
 from extproc.servers.ratelimit import add_to_server as add_ratelimit_service
-from extproc.settings import Settings, allowed_hosts
+from extproc.settings import Settings, allowed_hosts, is_loopback
 from extproc.signals.hub import SaturationCollector, SignalHub
 from extproc.state.store import open_ledger
 
@@ -62,7 +62,9 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
             loop.add_signal_handler(sig, stop.set)
 
     if settings.admin_exposed and not settings.admin_token:
-        raise StartupError(f"the admin port {settings.admin} is not on loopback: set a token "
+        ports = ", ".join(str(a) for a in (settings.admin, settings.admin_grpc)
+                          if a is not None and not is_loopback(a.host))
+        raise StartupError(f"the admin port {ports} is not on loopback: set a token "
                            f"(EXTPROC_ADMIN_TOKEN or --admin-token-file) or listen on 127.0.0.1")
     registry = CollectorRegistry()
     metrics = Metrics(registry)
@@ -136,9 +138,9 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
     except OSError as exc:
         await runner.cleanup()
         raise StartupError(f"cannot listen for HTTP on {settings.http}: {exc.strerror}") from None
+    admin = Admin(controller, policy_file, signals=hub)
     admin_runner: web.AppRunner | None = None
     if settings.admin is not None:
-        admin = Admin(controller, policy_file, signals=hub)
         hosts = allowed_hosts(settings.admin, settings.admin_hosts)
         admin_app = admin_http.build_app(admin, settings.admin_token, hosts)
         admin_runner = web.AppRunner(admin_app, access_log=None)
@@ -149,6 +151,19 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
             await admin_runner.cleanup()
             await runner.cleanup()
             raise StartupError(f"cannot listen for admin HTTP on {settings.admin}: {exc.strerror}") from None
+    admin_server: grpc.aio.Server | None = None
+    if settings.admin_grpc is not None:
+        admin_server = admin_grpc.build_server(admin, settings.admin_token)
+        try:
+            admin_bound = admin_server.add_insecure_port(str(settings.admin_grpc))
+        except RuntimeError:
+            admin_bound = 0
+        if admin_bound == 0:
+            if admin_runner is not None:
+                await admin_runner.cleanup()
+            await runner.cleanup()
+            raise StartupError(f"cannot listen for admin gRPC on {settings.admin_grpc}")
+        await admin_server.start()
     watcher = (loop.create_task(policy_file.watch(settings.watch_interval_s), name="extproc-policy-watch")
                if settings.watch_interval_s > 0 else None)
 
@@ -158,7 +173,8 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
     for name in ("", EXT_PROC_SERVICE, RATELIMIT_SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("serving", grpc=str(settings.grpc), http=str(settings.http),
-             admin=str(settings.admin) if settings.admin else None, policy=settings.policy,
+             admin=str(settings.admin) if settings.admin else None,
+             admin_grpc=str(settings.admin_grpc) if settings.admin_grpc else None, policy=settings.policy,
              lanes=[lane.name for lane in policy.lanes], capacity=policy.total_capacity,
              shadow=policy.shadow or [lane.name for lane in policy.lanes if lane.shadow])
     try:
@@ -173,6 +189,8 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
         if not finished:
             log.warning("grace period over", inflight=controller.scheduler.total_inflight)
         await server.stop(grace=1.0)
+        if admin_server is not None:
+            await admin_server.stop(grace=0.5)
         await hub.stop()
         await controller.stop()
         if ledger is not None:

@@ -58,7 +58,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return EXIT_STARTUP
     settings = Settings(policy=args.policy, grpc=args.grpc, http=args.http, log_format=args.log_format,
                         log_level=args.log_level, shutdown_grace_s=args.shutdown_grace, seed=args.seed,
-                        admin=args.admin, admin_token=token, watch_interval_s=args.watch_interval,
+                        admin=args.admin, admin_grpc=args.admin_grpc, admin_token=token,
+                        watch_interval_s=args.watch_interval,
                         store=args.store or None, store_fail_open=args.store_fail == "open",
                         store_ttl_s=args.store_ttl, store_prefix=args.store_prefix,
                         admin_hosts=tuple(h.strip() for h in args.admin_hosts.split(",") if h.strip()),
@@ -136,9 +137,14 @@ def build_parser() -> argparse.ArgumentParser:
                        default=_optional_address(env("ADMIN", "127.0.0.1:9091")), metavar="HOST:PORT|off",
                        help="admin port: state, reload, drain, pause (env EXTPROC_ADMIN; "
                        "default %(default)s)")
+    serve.add_argument("--admin-grpc", type=_optional_address,
+                       default=_optional_address(env("ADMIN_GRPC", "127.0.0.1:9092")),
+                       metavar="HOST:PORT|off",
+                       help="the admin API over gRPC (extproc.api.admin.v1.Admin, protos/), under the same "
+                       "token (env EXTPROC_ADMIN_GRPC; default %(default)s)")
     serve.add_argument("--admin-token-file", default=env("ADMIN_TOKEN_FILE", "") or None, metavar="PATH",
-                       help="file holding the token the admin port requires (or env EXTPROC_ADMIN_TOKEN); "
-                       "required when the admin port is not on loopback")
+                       help="file holding the token the admin ports require (or env EXTPROC_ADMIN_TOKEN); "
+                       "required when an admin port is not on loopback")
     serve.add_argument("--admin-hosts", default=env("ADMIN_HOSTS", ""), metavar="NAME,...",
                        help="host names the admin port also answers to (besides its address and "
                        "loopback's); others are refused, against DNS rebinding (env EXTPROC_ADMIN_HOSTS)")

@@ -110,11 +110,14 @@ class Stack:
         return process
 
     def extproc(self, policy: Path | str, grpc: int, http: int, *extra: str, name: str = "extproc",
-                wait: bool = True, admin: int | None = None, env: dict[str, str] | None = None) -> Process:
+                wait: bool = True, admin: int | None = None, admin_grpc: int | None = None,
+                env: dict[str, str] | None = None) -> Process:
         admin_port = admin if admin is not None else free_port()
+        admin_grpc_port = admin_grpc if admin_grpc is not None else free_port()
         process = self.start(name, [sys.executable, "-m", "extproc", "serve", "--policy", str(policy),
                                     "--grpc", f"127.0.0.1:{grpc}", "--http", f"127.0.0.1:{http}",
-                                    "--admin", f"127.0.0.1:{admin_port}", *extra], env=env)
+                                    "--admin", f"127.0.0.1:{admin_port}",
+                                    "--admin-grpc", f"127.0.0.1:{admin_grpc_port}", *extra], env=env)
         if wait:
             self._wait(process, f"http://127.0.0.1:{http}/readyz")
         return process

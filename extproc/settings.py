@@ -35,6 +35,9 @@ class Settings:
     admin: Address | None = Address("127.0.0.1", 9091)
     """The admin port (state, reload, drain, pause); None: no admin port."""
     admin_token: str | None = None
+    """The token both admin ports require (None: none, allowed on loopback only)."""
+    admin_grpc: Address | None = Address("127.0.0.1", 9092)
+    """The admin API over gRPC (extproc.api.admin.v1.Admin); None: not served."""
     watch_interval_s: float = 1.0
     """How often the policy file is checked for changes; 0: only on SIGHUP or the admin endpoint."""
     store: str | None = None
@@ -54,15 +57,9 @@ class Settings:
 
     @property
     def admin_exposed(self) -> bool:
-        """Whether the admin port listens beyond loopback."""
-        if self.admin is None:
-            return False
-        if self.admin.host == "localhost":
-            return False
-        try:
-            return not ipaddress.ip_address(self.admin.host).is_loopback
-        except ValueError:
-            return True
+        """Whether an admin port (HTTP or gRPC) listens beyond loopback."""
+        return any(address is not None and not is_loopback(address.host)
+                   for address in (self.admin, self.admin_grpc))
 
 
 _LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")

@@ -9,7 +9,8 @@ name is rebound to 127.0.0.1 sends its own name, and reads nothing), a POST that
 foreign ``Origin`` or says it is cross-site (``Sec-Fetch-Site``) is refused, and no CORS
 header is ever sent. Without a token, on loopback, any process on the host may read and act.
 
-    GET  /admin/state                    the live state (what ``extproc top`` shows)
+    GET  /admin/state                    the live state (what ``extproc top`` shows): the admin API's
+                                         State message as JSON (extproc/api/document.py)
     POST /admin/reload                   read the policy file again (as SIGHUP does)
     POST /admin/drain                    stop admitting; queued requests get 503; in-flight ones finish
     POST /admin/undrain                  admit again
@@ -26,7 +27,9 @@ import structlog
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from extproc.admin import Admin
+from extproc.admin import Admin, reload_response
+from extproc.api.admin.v1 import admin_pb2 as pb
+from extproc.api.document import to_document
 
 log = structlog.get_logger("extproc.admin")
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -73,23 +76,21 @@ def _auth(token: str | None, paths: frozenset[str] | None = None) -> Middleware:
 
 def build_app(admin: Admin, token: str | None, hosts: frozenset[str] | None = None) -> web.Application:
     async def state(_: web.Request) -> web.Response:
-        return web.json_response(admin.state())
+        return web.json_response(to_document(admin.state()))
 
     async def reload(_: web.Request) -> web.Response:
         result = await admin.reload()
-        body = {"ok": result.ok, "changed": result.changed, "sha256": result.sha256,
-                "problems": list(result.problems)}
-        return web.json_response(body, status=200 if result.ok else 422)
+        return web.json_response(to_document(reload_response(result)), status=200 if result.ok else 422)
 
     async def drain(_: web.Request) -> web.Response:
         log.warning("drain requested by an operator")
         admin.drain()
-        return web.json_response({"draining": True})
+        return web.json_response(to_document(pb.DrainResponse(draining=True)))
 
     async def undrain(_: web.Request) -> web.Response:
         log.warning("undrain requested by an operator")
         admin.undrain()
-        return web.json_response({"draining": False})
+        return web.json_response(to_document(pb.DrainResponse(draining=False)))
 
     def lane_action(action: Callable[[str], None], paused: bool) -> _Handler:
         async def handler(request: web.Request) -> web.Response:
@@ -97,11 +98,10 @@ def build_app(admin: Admin, token: str | None, hosts: frozenset[str] | None = No
             try:
                 action(lane)
             except KeyError:
-                lanes = sorted(admin.controller.scheduler.snapshot(admin.controller.now()))
-                return web.json_response({"error": f"unknown lane {lane!r}, expected one of {lanes}"},
+                return web.json_response({"error": f"unknown lane {lane!r}, expected one of {admin.lanes()}"},
                                          status=404)
             log.warning("lane paused by an operator" if paused else "lane resumed by an operator", lane=lane)
-            return web.json_response({"lane": lane, "paused": paused})
+            return web.json_response(to_document(pb.PauseResponse(lane=lane, paused=paused)))
 
         return handler
 

@@ -50,6 +50,8 @@ class Env:
     extproc_grpc: int
     admin_url: str
     policy: Path
+    admin_grpc: str = ""
+    """The gRPC admin API's address (HOST:PORT)."""
 
     def metric(self, name: str, **labels: str) -> float:
         """Current value of one sample from extproc's /metrics (0 if absent)."""
@@ -78,15 +80,17 @@ def start_env(workdir: Path, policy: Path, *, extproc_args: tuple[str, ...] = ()
         from extproc.localstack import wait_http
 
         wait_http(f"http://127.0.0.1:{upstream}/stats", proc=s.processes[-1].popen)
-        grpc, http, admin_port = free_port(), free_port(), free_port()
-        s.extproc(policy, grpc, http, "--seed", "7", "--log-format", "json", *extproc_args, admin=admin_port)
+        grpc, http, admin_port, admin_grpc = free_port(), free_port(), free_port(), free_port()
+        s.extproc(policy, grpc, http, "--seed", "7", "--log-format", "json", *extproc_args, admin=admin_port,
+                  admin_grpc=admin_grpc)
         listen, admin = free_port(), free_port()
         s.envoy(envoy_config(listen, admin, upstream, grpc, tweak=tweak))
     except BaseException:
         s.stop()
         raise
     return s, Env(s, f"http://127.0.0.1:{listen}", f"http://127.0.0.1:{http}/metrics",
-                  f"http://127.0.0.1:{upstream}", grpc, f"http://127.0.0.1:{admin_port}", policy)
+                  f"http://127.0.0.1:{upstream}", grpc, f"http://127.0.0.1:{admin_port}", policy,
+                  f"127.0.0.1:{admin_grpc}")
 
 
 @pytest.fixture

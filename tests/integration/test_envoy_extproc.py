@@ -293,7 +293,8 @@ def test_bad_policy_at_start_exits_non_zero_with_a_clear_error(tmp_path: Path) -
     policy.write_text(POLICY.replace("max_inflight: 1", "max_inflight: 0", 1))
     result = subprocess.run(
         [sys.executable, "-m", "extproc", "serve", "--policy", str(policy), "--grpc", "127.0.0.1:0",
-         "--http", "127.0.0.1:0", "--admin", "127.0.0.1:0"], capture_output=True, text=True, timeout=30)
+         "--http", "127.0.0.1:0", "--admin", "127.0.0.1:0",
+         "--admin-grpc", "127.0.0.1:0"], capture_output=True, text=True, timeout=30)
     assert result.returncode == 2
     assert f"{policy}:6: lanes[0].max_inflight" in result.stderr
     assert "greater than or equal to 1" in result.stderr
@@ -308,7 +309,8 @@ def test_port_in_use_exits_non_zero(tmp_path: Path) -> None:
         port = taken.getsockname()[1]
         result = subprocess.run(
             [sys.executable, "-m", "extproc", "serve", "--policy", str(policy), "--grpc", "127.0.0.1:0",
-             "--http", f"127.0.0.1:{port}", "--admin", "127.0.0.1:0"],
+             "--http", f"127.0.0.1:{port}", "--admin", "127.0.0.1:0",
+         "--admin-grpc", "127.0.0.1:0"],
             capture_output=True, text=True, timeout=30)
     assert result.returncode == 3
     assert "cannot listen for HTTP" in result.stderr

@@ -50,6 +50,8 @@ import redis
 import yaml
 
 from extproc import bootstrap
+from extproc.api.admin.v1 import admin_pb2 as pb
+from extproc.api.document import from_document
 from extproc.localstack import ROOT, Stack, envoy_binary, free_port, wait_http
 from extproc.policy import load_policy
 from extproc.policy.schema import Policy
@@ -382,7 +384,7 @@ def test_a_configmap_update_reaches_the_running_extproc(rendered: Rendered, tmp_
     grpc, http, admin = free_port(), free_port(), free_port()
     # The pod's addresses and paths, moved onto this machine's loopback and a temporary root.
     moved = {"grpc": f"127.0.0.1:{grpc}", "http": f"127.0.0.1:{http}", "admin": f"127.0.0.1:{admin}",
-             "policy": str(root / args["policy"].lstrip("/"))}
+             "admin-grpc": f"127.0.0.1:{free_port()}", "policy": str(root / args["policy"].lstrip("/"))}
     assert container["args"][0] == "serve"
     assert moved.keys() <= args.keys(), "the Deployment sets every address and the policy path"
     argv = ["serve", *(f"--{key}={moved.get(key, value)}" for key, value in args.items())]
@@ -399,18 +401,17 @@ def test_a_configmap_update_reaches_the_running_extproc(rendered: Rendered, tmp_
                 assert time.monotonic() < deadline, f"timed out waiting for {what}"
                 time.sleep(0.1)
 
-        def policy_state() -> dict[str, Any]:
-            doc: dict[str, Any] = httpx.get(state_url, timeout=5).json()["policy"]
-            return doc
+        def policy_state() -> pb.Policy:
+            return from_document(httpx.get(state_url, timeout=5).json(), pb.State).policy
 
-        assert policy_state()["sha256"] == hashlib.sha256(shipped.encode()).hexdigest()
+        assert policy_state().sha256 == hashlib.sha256(shipped.encode()).hexdigest()
         loaded = sample(httpx.get(metrics).text, "extproc_policy_loaded_timestamp_seconds")
         assert loaded
 
         _, old, new = POLICY_FILES["base"]
         edited = shipped.replace(old, new)
         kubelet_projection(mounted, {"policy.yaml": edited})
-        until(lambda: policy_state()["sha256"] == hashlib.sha256(edited.encode()).hexdigest(), "the edit")
+        until(lambda: policy_state().sha256 == hashlib.sha256(edited.encode()).hexdigest(), "the edit")
         page = httpx.get(metrics).text
         assert sample(page, "extproc_policy_reloads_total", result="ok") == 1
         assert (sample(page, "extproc_policy_loaded_timestamp_seconds") or 0) > loaded
@@ -423,8 +424,8 @@ def test_a_configmap_update_reaches_the_running_extproc(rendered: Rendered, tmp_
         page = httpx.get(metrics).text
         assert sample(page, "extproc_policy_reloads_total", result="error") == 1
         state = policy_state()
-        assert state["sha256"] == hashlib.sha256(edited.encode()).hexdigest(), "the edit stays in force"
-        [problem] = state["last_error"]
+        assert state.sha256 == hashlib.sha256(edited.encode()).hexdigest(), "the edit stays in force"
+        [problem] = state.last_error
         assert problem.startswith(f"{moved['policy']}:{line}: capacity.max_inflight"), problem
         assert httpx.get(f"http://127.0.0.1:{http}/readyz").status_code == 200
 
@@ -724,20 +725,23 @@ def test_the_egress_check_follows_the_policy(rendered: Rendered, tmp_path: Path)
 
 @pytest.mark.parametrize("name", ALL)
 def test_the_admin_port_stays_on_loopback(rendered: Rendered, name: str) -> None:
-    """Drain and pause are reached with kubectl port-forward, never through a Service or a policy."""
+    """Drain and pause are reached with kubectl port-forward, never through a Service or a policy:
+    the HTTP admin port and the gRPC admin API alike."""
     docs = rendered[name]
     _, deployment, _, args = policy_wiring(docs)
-    admin = Address.parse(args["admin"])
-    assert ipaddress.ip_address(admin.host).is_loopback
+    admins = [Address.parse(args["admin"]), Address.parse(args["admin-grpc"])]
+    assert all(ipaddress.ip_address(admin.host).is_loopback for admin in admins)
     [container] = deployment["spec"]["template"]["spec"]["containers"]
-    assert not {"EXTPROC_ADMIN", "EXTPROC_ADMIN_TOKEN"} & {e["name"] for e in container.get("env", [])}
+    assert not {"EXTPROC_ADMIN", "EXTPROC_ADMIN_GRPC", "EXTPROC_ADMIN_TOKEN"} & {
+        e["name"] for e in container.get("env", [])}
     declared = container["ports"]
-    assert admin.port not in {p["containerPort"] for p in declared}
+    assert not {admin.port for admin in admins} & {p["containerPort"] for p in declared}
     assert not [p for p in declared if "admin" in p["name"]]
     names = {p["name"] for p in declared}  # what a Service or NetworkPolicy may name
     for service in of_kind(docs, "Service"):
         for port in service["spec"]["ports"]:
-            assert admin.port not in (port["port"], port.get("targetPort")), service["metadata"]["name"]
+            for admin in admins:
+                assert admin.port not in (port["port"], port.get("targetPort")), service["metadata"]["name"]
             assert "admin" not in port["name"]
     labels = deployment["spec"]["template"]["metadata"]["labels"].items()
     for policy in of_kind(docs, "NetworkPolicy"):
@@ -1338,7 +1342,8 @@ def serve_with_the_deployments_store(stack: Stack, docs: list[Doc], client: redi
     process = stack.start("extproc", [sys.executable, "-m", "extproc", "serve",
                                       "--policy", str(ISTIO / "base" / "policy.yaml"),
                                       "--grpc", f"127.0.0.1:{free_port()}", "--http", f"127.0.0.1:{http}",
-                                      "--admin", f"127.0.0.1:{free_port()}"], env=env)
+                                      "--admin", f"127.0.0.1:{free_port()}",
+                                      "--admin-grpc", f"127.0.0.1:{free_port()}"], env=env)
     wait_http(f"http://127.0.0.1:{http}/readyz", proc=process.popen)
     return f"http://127.0.0.1:{http}"
 

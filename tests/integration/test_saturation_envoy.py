@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from extproc.api.admin.v1 import admin_pb2 as pb
+from extproc.api.document import from_document
 from tests.integration.conftest import Env
 from tests.integration.kueue_exporter import PENDING, QUEUE, Exporter, Prometheus
 
@@ -114,11 +116,11 @@ def test_a_kueue_backlog_sheds_best_effort_with_the_signal_named_and_recovers_wi
     exporter.pending = {QUEUE: 2.0}
     until("admission to resume", lambda: best_effort(env).status_code == 200)
     assert statuses_for(env, 1.5) == {200}
-    state = httpx.get(env.admin_url + "/admin/state", timeout=5).json()
-    (rule,) = state["saturation"]
-    assert (rule["rule"], rule["active"], rule["value"]) == ("kueue-backlog", False, 2.0)
-    (signal,) = state["signals"]
-    assert (signal["name"], signal["stale"]) == ("kueue_pending", False)
+    state = from_document(httpx.get(env.admin_url + "/admin/state", timeout=5).json(), pb.State)
+    (rule,) = state.saturation
+    assert (rule.rule, rule.active, rule.value) == ("kueue-backlog", False, 2.0)
+    (signal,) = state.signals
+    assert (signal.name, signal.stale) == ("kueue_pending", False)
 
 
 def test_prometheus_gone_applies_the_declared_stale_policy(

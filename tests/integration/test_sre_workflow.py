@@ -13,6 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from extproc.api.admin.v1 import admin_pb2 as pb
+from extproc.api.document import from_document
 from tests.integration.conftest import Env
 
 pytestmark = pytest.mark.envoy
@@ -52,19 +54,16 @@ def wait_for(check: Callable[[], bool], what: str, timeout: float = 10.0) -> Non
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def state(env: Env, token: str | None = None) -> dict[str, object]:
+def state(env: Env, token: str | None = None) -> pb.State:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     r = httpx.get(env.admin_url + "/admin/state", headers=headers, timeout=5)
     r.raise_for_status()
-    doc: dict[str, object] = r.json()
-    return doc
+    return from_document(r.json(), pb.State)
 
 
-def lane_state(env: Env, name: str) -> dict[str, object]:
-    lanes = state(env)["lanes"]
-    assert isinstance(lanes, list)
-    (found,) = [lane for lane in lanes if lane["name"] == name]
-    return dict(found)
+def lane_state(env: Env, name: str) -> pb.Lane:
+    (found,) = [lane for lane in state(env).lanes if lane.name == name]
+    return found
 
 
 def extproc_pid(env: Env) -> int:
@@ -89,7 +88,7 @@ def test_reload_under_live_traffic_loses_no_request_and_leaks_no_slot(make_env: 
         env.policy.write_text(without_old)
         wait_for(lambda: env.metric("extproc_policy_reloads_total", result="ok") == 2, "the second reload")
         # Its requests (one slot, 0.8 s each) are still running and queued: retired, not dropped.
-        assert lane_state(env, "old")["retired"] is True
+        assert lane_state(env, "old").retired is True
         responses = [f.result() for f in futures]
     assert [r.status_code for r in responses] == [200] * 48
     lanes_seen = {r.json()["headers"]["x-extproc-lane"] for r in responses}
@@ -97,7 +96,7 @@ def test_reload_under_live_traffic_loses_no_request_and_leaks_no_slot(make_env: 
     env.wait_idle()
     # Never more than the new total (4 for a, 1 for the retired lane) at the upstream.
     assert upstream_peak(env) <= 5
-    names = [lane["name"] for lane in state(env)["lanes"]]  # type: ignore[attr-defined]
+    names = [lane.name for lane in state(env).lanes]
     assert names == ["a"]
     # New requests for /old now land in the default lane.
     assert post(env, "/old/y").json()["headers"]["x-extproc-lane"] == "a"
@@ -110,11 +109,10 @@ def test_a_bad_reload_keeps_the_old_policy_counts_it_and_stays_ready(make_env: C
     assert env.metric("extproc_policy_reload_failing") == 1
     ready = httpx.get(env.metrics_url.replace("/metrics", "/readyz"), timeout=5)
     assert ready.status_code == 200
-    policy = state(env)["policy"]
-    assert isinstance(policy, dict)
-    (problem,) = policy["last_error"]
+    policy = state(env).policy
+    (problem,) = policy.last_error
     assert f"{env.policy}:3: lanes[0].max_inflight" in problem
-    assert policy["reloads_failed"] == 1
+    assert policy.reloads_failed == 1
     # The old limit of 2 still holds: three slow requests, one of them waits.
     upstream_peak(env)
     with ThreadPoolExecutor(3) as pool:
@@ -169,9 +167,7 @@ def test_a_huge_or_explosive_policy_file_costs_the_data_path_nothing(make_env: C
     assert [status for status, _ in both] == [200] * len(both)
     latencies = sorted(latency for _, latency in both)
     assert latencies[int(0.99 * len(latencies))] < 0.5
-    policy = state(env)["policy"]
-    assert isinstance(policy, dict)
-    assert policy["stale_since"] is not None
+    assert state(env).policy.HasField("stale_since")
     # The old policy serves throughout; the file's fix ends the stale period.
     assert env.metric("inference_inflight_limit", lane="a") == 2
     env.policy.write_text(POLICY.replace("max_inflight: 2", "max_inflight: 3"))
@@ -230,8 +226,8 @@ def test_shadow_mode_admits_everything_and_counts_would_be_rejections(make_env: 
     assert would == 3
     assert env.metric("inference_admission_rejections_total", lane="a", reason="queue_full") == 0
     a = lane_state(env, "a")
-    assert a["shadow"] is True
-    assert a["shadow_reject_per_s"] > 0
+    assert a.shadow is True
+    assert a.shadow_reject_per_s > 0
 
 
 def test_pause_resume_drain_and_undrain_through_the_admin_port(make_env: Callable[..., Env]) -> None:
@@ -241,7 +237,7 @@ def test_pause_resume_drain_and_undrain_through_the_admin_port(make_env: Callabl
     with ThreadPoolExecutor(1) as pool:
         held = pool.submit(post, env)
         wait_for(lambda: env.metric("inference_pending_requests", lane="a") == 1, "the request to queue")
-        assert lane_state(env, "a")["paused"] is True
+        assert lane_state(env, "a").paused is True
         time.sleep(0.3)
         assert not held.done()
         httpx.post(admin + "/admin/lanes/a/resume", timeout=5).raise_for_status()
@@ -255,7 +251,7 @@ def test_pause_resume_drain_and_undrain_through_the_admin_port(make_env: Callabl
     assert httpx.get(readyz, timeout=5).status_code == 503
     r = post(env)
     assert (r.status_code, r.headers["x-extproc-reason"]) == (503, "draining")
-    assert state(env)["draining"] is True
+    assert state(env).draining is True
     httpx.post(admin + "/admin/undrain", timeout=5).raise_for_status()
     assert httpx.get(readyz, timeout=5).status_code == 200
     assert post(env).status_code == 200
@@ -269,7 +265,7 @@ def test_the_admin_port_needs_the_token_when_one_is_set(make_env: Callable[..., 
     assert httpx.get(url, timeout=5).status_code == 401
     assert httpx.get(url, headers={"Authorization": "Bearer wrong"}, timeout=5).status_code == 401
     assert httpx.post(env.admin_url + "/admin/drain", timeout=5).status_code == 401
-    assert state(env, "s3cret")["draining"] is False
+    assert state(env, "s3cret").draining is False
     # Refused operations changed nothing.
     assert post(env).status_code == 200
 

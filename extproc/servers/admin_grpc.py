@@ -1,0 +1,115 @@
+"""The admin API over gRPC (``extproc.api.admin.v1.Admin``), on its own loopback port.
+
+It is a server of its own, never the ext_proc / rate limit port Envoy talks to, listening on
+``--admin-grpc`` (127.0.0.1:9092 by default). extproc refuses to start with it off loopback and
+no admin token. The rules of the HTTP admin port hold here too:
+
+* with a token, every call needs the metadata ``authorization: Bearer <token>``
+  (``UNAUTHENTICATED`` otherwise);
+* a browser cannot reach it: a native gRPC port only speaks HTTP/2 with prior knowledge, which
+  no web page can send (a page's request is not answered, whatever ``Host`` it names), and a
+  call that carries browser metadata (``origin``, or ``sec-fetch-site: cross-site``, as a
+  grpc-web proxy would pass on) is refused with ``PERMISSION_DENIED``.
+
+Python's gRPC server does not show a call's ``:authority`` to the application, so unlike the
+HTTP port this one cannot check ``Host``; nothing a browser sends can reach it in the first place.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+import structlog
+
+from extproc.admin import Admin, reload_response
+from extproc.api.admin.v1 import admin_pb2 as pb
+from extproc.api.admin.v1 import admin_pb2_grpc as pb_grpc
+
+log = structlog.get_logger("extproc.admin")
+SERVICE = "extproc.api.admin.v1.Admin"
+
+
+class AdminService(pb_grpc.AdminServicer):
+    def __init__(self, admin: Admin) -> None:
+        self.admin = admin
+
+    async def GetState(self, request: pb.GetStateRequest, context: grpc.aio.ServicerContext[Any, Any]
+                       ) -> pb.State:
+        return self.admin.state()
+
+    async def Reload(self, request: pb.ReloadRequest, context: grpc.aio.ServicerContext[Any, Any]
+                     ) -> pb.ReloadResponse:
+        return reload_response(await self.admin.reload())
+
+    async def Drain(self, request: pb.DrainRequest, context: grpc.aio.ServicerContext[Any, Any]
+                    ) -> pb.DrainResponse:
+        log.warning("drain requested by an operator", via="grpc")
+        self.admin.drain()
+        return pb.DrainResponse(draining=True)
+
+    async def Undrain(self, request: pb.UndrainRequest, context: grpc.aio.ServicerContext[Any, Any]
+                      ) -> pb.DrainResponse:
+        log.warning("undrain requested by an operator", via="grpc")
+        self.admin.undrain()
+        return pb.DrainResponse(draining=False)
+
+    async def Pause(self, request: pb.PauseRequest, context: grpc.aio.ServicerContext[Any, Any]
+                    ) -> pb.PauseResponse:
+        await self._lane(self.admin.pause, request.lane, context)
+        log.warning("lane paused by an operator", lane=request.lane, via="grpc")
+        return pb.PauseResponse(lane=request.lane, paused=True)
+
+    async def Resume(self, request: pb.ResumeRequest, context: grpc.aio.ServicerContext[Any, Any]
+                     ) -> pb.PauseResponse:
+        await self._lane(self.admin.resume, request.lane, context)
+        log.warning("lane resumed by an operator", lane=request.lane, via="grpc")
+        return pb.PauseResponse(lane=request.lane, paused=False)
+
+    async def _lane(self, action: Callable[[str], None], lane: str,
+                    context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        try:
+            action(lane)
+        except KeyError:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"unknown lane {lane!r}, expected one of {self.admin.lanes()}")
+
+
+def _refusal(code: grpc.StatusCode, details: str) -> grpc.RpcMethodHandler:
+    async def refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        await context.abort(code, details)
+
+    return grpc.unary_unary_rpc_method_handler(refuse)
+
+
+class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """The token and browser rules, before any method runs."""
+
+    def __init__(self, token: str | None) -> None:
+        self._expected = f"Bearer {token}".encode() if token else None
+
+    async def intercept_service(
+            self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+            details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        metadata = {key: value for key, value in (details.invocation_metadata or ())}
+        site = metadata.get("sec-fetch-site", "")
+        if "origin" in metadata or site == "cross-site":
+            log.warning("admin call from a browser refused", method=details.method,
+                        origin=str(metadata.get("origin", ""))[:100])
+            return _refusal(grpc.StatusCode.PERMISSION_DENIED, "calls from a browser are refused")
+        if self._expected is not None:
+            given = metadata.get("authorization", "")
+            given_bytes = given.encode() if isinstance(given, str) else bytes(given)
+            if not hmac.compare_digest(given_bytes, self._expected):
+                return _refusal(grpc.StatusCode.UNAUTHENTICATED,
+                                "a valid 'authorization: Bearer <token>' metadata is required")
+        return await continuation(details)
+
+
+def build_server(admin: Admin, token: str | None) -> grpc.aio.Server:
+    server = grpc.aio.server(interceptors=[Guard(token)],
+                             options=[("grpc.max_receive_message_length", 64 * 1024)])
+    pb_grpc.add_AdminServicer_to_server(AdminService(admin), server)  # type: ignore[no-untyped-call]
+    return server
