@@ -24,17 +24,17 @@ from prometheus_client import CollectorRegistry
 
 from extproc.admin import Admin
 from extproc.controller import Controller
-from extproc.metrics import Metrics
+from extproc.metrics import Metrics, RateLimitMetrics, SaturationCollector
 from extproc.policy.schema import Policy
 from extproc.policy.watcher import PolicyFile, ReloadResult
 from extproc.servers import admin as admin_http
 from extproc.servers import admin_grpc, http
 from extproc.servers.extproc import ExternalProcessor
 from extproc.servers.ratelimit import SERVICE as RATELIMIT_SERVICE
-from extproc.servers.ratelimit import ControllerPressure, RateLimitMetrics, RateLimitService
+from extproc.servers.ratelimit import ControllerPressure, RateLimitService
 from extproc.servers.ratelimit import add_to_server as add_ratelimit_service
 from extproc.settings import Settings, allowed_hosts, is_loopback
-from extproc.signals.hub import SaturationCollector, SignalHub
+from extproc.signals.hub import SignalHub
 from extproc.state.store import open_ledger
 
 log = structlog.get_logger("extproc")

@@ -1,4 +1,10 @@
-"""Every Prometheus metric extproc exports, on an injected registry.
+"""Every Prometheus metric ``extproc serve`` exports, on an injected registry.
+
+By part: :class:`Metrics` (admission: decisions, waits, service times, the live state of the
+lanes and the shared store), :class:`RateLimitMetrics` (the edge shed), :class:`SignalMetrics`
+(the cluster signals extproc reads) and :class:`SaturationCollector` (what the saturation
+rules do to the lanes). The simulated backend's vLLM-named metrics belong to that program
+(``extproc/sim/backend.py``), not here.
 
 The names are a public interface (alerts and autoscalers are built on them):
 add new ones, never rename. Gauges of current state (pending, in flight,
@@ -8,14 +14,16 @@ pays nothing for them and they can never drift from the truth.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from typing import Generic, TypeVar
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Generic, Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from extproc.core.admission import LaneView
+from extproc.core.saturation import Saturation
 from extproc.state import GlobalView
 
 #: Resolves both sub-second waits and multi-second ones up to the longest hold.
@@ -192,3 +200,135 @@ class Metrics:
     def watch(self, lanes: Callable[[], Mapping[str, LaneView]], draining: Callable[[], bool],
               cluster: Callable[[], GlobalView | None] | None = None) -> None:
         self.registry.register(_StateCollector(lanes, draining, cluster))
+
+
+# -- the edge shed (Envoy's rate limit service) ---------------------------------------------------
+
+
+class _TenantCollector(Collector):
+    def __init__(self, sizes: Callable[[], Mapping[str, int]]) -> None:
+        self._sizes = sizes
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily("extproc_ratelimit_tenants", "Tenants with a budget bucket in memory, "
+                                   "by budget (requests, tokens).", labels=["budget"])
+        for name, size in self._sizes().items():
+            family.add_metric([name], size)
+        yield family
+
+
+class RateLimitMetrics:
+    def __init__(self, registry: CollectorRegistry, saturation: Counter | None = None) -> None:
+        self.registry = registry
+        #: ext_proc's ``extproc_saturation_rejections`` {lane, rule, signal}: a request shed under
+        #: saturation is counted there whichever of the two shed it.
+        self.saturation = saturation
+        self.decisions = Counter(
+            "extproc_ratelimit_decisions", "Edge decisions on request descriptors, by lane, code "
+            "(ok, over_limit), reason and shadow (true: counted, answered OK).",
+            ["lane", "code", "reason", "shadow"], registry=registry,
+        )
+        self.usage_tokens = Counter(
+            "extproc_ratelimit_usage_tokens", "Tokens reported at stream end and charged to tenant budgets.",
+            registry=registry,
+        )
+        self.usage_reports = Counter(
+            "extproc_ratelimit_usage_reports", "Token usage reports: one per finished response that had one.",
+            registry=registry,
+        )
+        self.ignored = Counter(
+            "extproc_ratelimit_ignored", "Descriptors answered OK without a decision, by kind "
+            "(unknown_domain, unknown_descriptor): a sign of a mismatched Envoy config.",
+            ["kind"], registry=registry,
+        )
+        self.errors = Counter(
+            "extproc_ratelimit_errors", "ShouldRateLimit calls that failed (Envoy then applies its failure "
+            "mode).", registry=registry,
+        )
+        self.decisions_of = Children(self.decisions)
+
+    def watch(self, sizes: Callable[[], Mapping[str, int]]) -> None:
+        self.registry.register(_TenantCollector(sizes))
+
+
+# -- cluster signals ------------------------------------------------------------------------------
+
+
+class SignalReport(Protocol):
+    """One signal as the reader reports it (``signals.hub.SignalStatus``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def value(self) -> float | None: ...
+    @property
+    def age(self) -> float | None: ...
+    @property
+    def stale(self) -> bool: ...
+
+
+class _SignalCollector(Collector):
+    def __init__(self, status: Callable[[], Iterable[SignalReport]],
+                 targets: Callable[[], Mapping[tuple[str, str], bool]]) -> None:
+        self._status = status
+        self._targets = targets
+
+    def collect(self) -> Iterator[Metric]:
+        value = GaugeMetricFamily("extproc_signal_value", "Last good value of each signal extproc reads.",
+                                  labels=["signal"])
+        age = GaugeMetricFamily("extproc_signal_age_seconds", "Seconds since the last good reading of "
+                                "each signal.", labels=["signal"])
+        stale = GaugeMetricFamily("extproc_signal_stale", "1 while a signal had no good reading within its "
+                                  "stale_after (its on_stale policy applies).", labels=["signal"])
+        kv_cache = GaugeMetricFamily("inference_kv_cache_utilization", "Model servers' KV-cache "
+                                     "utilization (0-1) as extproc reads it; absent while stale.",
+                                     labels=["signal"])
+        for status in self._status():
+            stale.add_metric([status.name], 1.0 if status.stale else 0.0)
+            if status.value is None or status.age is None:
+                continue
+            value.add_metric([status.name], status.value)
+            age.add_metric([status.name], status.age)
+            if status.kind == "kv_cache_utilization" and not status.stale:
+                kv_cache.add_metric([status.name], status.value)
+        up = GaugeMetricFamily("extproc_scrape_target_up", "1 if the last fetch of a scrape target "
+                               "succeeded.", labels=["source", "target"])
+        for (source, target), ok in sorted(self._targets().items()):
+            up.add_metric([source, target], 1.0 if ok else 0.0)
+        yield from (value, age, stale, kv_cache, up)
+
+
+class SignalMetrics:
+    """The signal reader's counters, and gauges computed at scrape time from its reports: an age
+    keeps growing while a source is down and a removed signal disappears at once."""
+
+    def __init__(self, registry: CollectorRegistry, status: Callable[[], Iterable[SignalReport]],
+                 targets: Callable[[], Mapping[tuple[str, str], bool]]) -> None:
+        self.errors = Counter("extproc_signal_errors", "Failed readings of a signal, by kind of failure.",
+                              ["signal", "kind"], registry=registry)
+        registry.register(_SignalCollector(status, targets))
+
+
+class SaturationCollector(Collector):
+    """Saturation rules and their effect on lanes, as gauges (register it once, beside the signals)."""
+
+    def __init__(self, saturation: Saturation, clock: Callable[[], float] = time.monotonic) -> None:
+        self._saturation = saturation
+        self._clock = clock
+
+    def collect(self) -> Iterator[Metric]:
+        active = GaugeMetricFamily("extproc_saturation_active", "1 while a saturation rule is active.",
+                                   labels=["rule", "signal"])
+        for rule in self._saturation.rules(self._clock()):
+            active.add_metric([rule.name, rule.signal], 1.0 if rule.active else 0.0)
+        shed = GaugeMetricFamily("extproc_saturation_shed", "1 while saturation sheds the lane (its new "
+                                 "requests are rejected).", labels=["lane"])
+        factor = GaugeMetricFamily("extproc_saturation_limit_factor", "Factor saturation applies to the "
+                                   "lane's in-flight limit (1: none).", labels=["lane"])
+        for lane in self._saturation.lanes():
+            effect = self._saturation.effect(lane)
+            shed.add_metric([lane], 1.0 if effect.shed else 0.0)
+            factor.add_metric([lane], effect.factor)
+        yield from (active, shed, factor)

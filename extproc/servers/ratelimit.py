@@ -22,7 +22,7 @@ import math
 import random
 import secrets
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import grpc
@@ -30,9 +30,6 @@ import structlog
 from envoy.config.core.v3.base_pb2 import HeaderValue
 from envoy.service.ratelimit.v3 import rls_pb2 as pb
 from envoy.service.ratelimit.v3 import rls_pb2_grpc as pb_grpc
-from prometheus_client import CollectorRegistry, Counter
-from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import Collector
 
 from extproc.controller import Controller
 from extproc.core.budget import Budget
@@ -47,13 +44,13 @@ from extproc.core.edge import (
     SchedulerPressure,
 )
 from extproc.core.redaction import Redactor
-from extproc.metrics import Children
+from extproc.metrics import RateLimitMetrics
 from extproc.policy.ratelimit import RateLimit
 
 SERVICE = "envoy.service.ratelimit.v3.RateLimitService"
 _UINT32 = UNLIMITED
 __all__ = ["ANY_LANE", "SERVICE", "Check", "ControllerPressure", "LanePressure", "Pressure",
-           "RateLimitMetrics", "RateLimitService", "add_to_server"]
+           "RateLimitService", "add_to_server"]
 
 log = structlog.get_logger("extproc.ratelimit")
 
@@ -66,55 +63,6 @@ class ControllerPressure(SchedulerPressure):
 
     def __init__(self, controller: Controller) -> None:
         super().__init__(controller.scheduler, controller.now)
-
-
-# -- metrics ------------------------------------------------------------------------------------
-
-
-class _TenantCollector(Collector):
-    def __init__(self, sizes: Callable[[], Mapping[str, int]]) -> None:
-        self._sizes = sizes
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        family = GaugeMetricFamily("extproc_ratelimit_tenants", "Tenants with a budget bucket in memory, "
-                                   "by budget (requests, tokens).", labels=["budget"])
-        for name, size in self._sizes().items():
-            family.add_metric([name], size)
-        yield family
-
-
-class RateLimitMetrics:
-    def __init__(self, registry: CollectorRegistry, saturation: Counter | None = None) -> None:
-        self.registry = registry
-        #: ext_proc's ``extproc_saturation_rejections`` {lane, rule, signal}: a request shed under
-        #: saturation is counted there whichever of the two shed it.
-        self.saturation = saturation
-        self.decisions = Counter(
-            "extproc_ratelimit_decisions", "Edge decisions on request descriptors, by lane, code "
-            "(ok, over_limit), reason and shadow (true: counted, answered OK).",
-            ["lane", "code", "reason", "shadow"], registry=registry,
-        )
-        self.usage_tokens = Counter(
-            "extproc_ratelimit_usage_tokens", "Tokens reported at stream end and charged to tenant budgets.",
-            registry=registry,
-        )
-        self.usage_reports = Counter(
-            "extproc_ratelimit_usage_reports", "Token usage reports: one per finished response that had one.",
-            registry=registry,
-        )
-        self.ignored = Counter(
-            "extproc_ratelimit_ignored", "Descriptors answered OK without a decision, by kind "
-            "(unknown_domain, unknown_descriptor): a sign of a mismatched Envoy config.",
-            ["kind"], registry=registry,
-        )
-        self.errors = Counter(
-            "extproc_ratelimit_errors", "ShouldRateLimit calls that failed (Envoy then applies its failure "
-            "mode).", registry=registry,
-        )
-        self.decisions_of = Children(self.decisions)
-
-    def watch(self, sizes: Callable[[], Mapping[str, int]]) -> None:
-        self.registry.register(_TenantCollector(sizes))
 
 
 # -- the service --------------------------------------------------------------------------------

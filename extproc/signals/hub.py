@@ -13,8 +13,8 @@ error kind in a counter and a log line on the transition (not one per poll), nev
 crash. Rounds start on a fixed cadence; a round that takes longer delays the next one
 instead of overlapping it.
 
-Gauges are computed when scraped, from the readings and the clock, so an age keeps growing
-while a source is down and a removed signal disappears at once.
+Its metrics (``metrics.SignalMetrics``) are computed when scraped, from the readings and the
+clock, so an age keeps growing while a source is down and a removed signal disappears at once.
 """
 
 from __future__ import annotations
@@ -22,16 +22,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import aiohttp
 import structlog
-from prometheus_client import CollectorRegistry, Counter
-from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+from prometheus_client import CollectorRegistry
 
-from extproc.core.saturation import Reading, Saturation, is_stale
+from extproc.core.saturation import Reading, is_stale
+from extproc.metrics import SignalMetrics
 from extproc.policy.signals import Signal, Signals, Source
 from extproc.signals import ErrorKind, SignalError, prometheus, scrape
 
@@ -68,9 +67,7 @@ class SignalHub:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._retired: set[asyncio.Task[None]] = set()
         self._session: aiohttp.ClientSession | None = None
-        self._errors = Counter("extproc_signal_errors", "Failed readings of a signal, by kind of failure.",
-                               ["signal", "kind"], registry=registry)
-        registry.register(_SignalCollector(self))
+        self._errors = SignalMetrics(registry, self.status, self.targets).errors
 
     @property
     def signals(self) -> Signals:
@@ -272,55 +269,3 @@ class SignalHub:
             self.on_change(self.readings(), self._clock())
         except Exception:  # the caller's bug must not stop the polling
             log.exception("signal on_change callback failed")
-
-
-class _SignalCollector(Collector):
-    def __init__(self, hub: SignalHub) -> None:
-        self._hub = hub
-
-    def collect(self) -> Iterator[Metric]:
-        value = GaugeMetricFamily("extproc_signal_value", "Last good value of each signal extproc reads.",
-                                  labels=["signal"])
-        age = GaugeMetricFamily("extproc_signal_age_seconds", "Seconds since the last good reading of "
-                                "each signal.", labels=["signal"])
-        stale = GaugeMetricFamily("extproc_signal_stale", "1 while a signal had no good reading within its "
-                                  "stale_after (its on_stale policy applies).", labels=["signal"])
-        kv_cache = GaugeMetricFamily("inference_kv_cache_utilization", "Model servers' KV-cache "
-                                     "utilization (0-1) as extproc reads it; absent while stale.",
-                                     labels=["signal"])
-        for status in self._hub.status():
-            stale.add_metric([status.name], 1.0 if status.stale else 0.0)
-            if status.value is None or status.age is None:
-                continue
-            value.add_metric([status.name], status.value)
-            age.add_metric([status.name], status.age)
-            if status.kind == "kv_cache_utilization" and not status.stale:
-                kv_cache.add_metric([status.name], status.value)
-        up = GaugeMetricFamily("extproc_scrape_target_up", "1 if the last fetch of a scrape target "
-                               "succeeded.", labels=["source", "target"])
-        for (source, target), ok in sorted(self._hub.targets().items()):
-            up.add_metric([source, target], 1.0 if ok else 0.0)
-        yield from (value, age, stale, kv_cache, up)
-
-
-class SaturationCollector(Collector):
-    """Saturation rules and their effect on lanes, as gauges (register it once, beside the hub)."""
-
-    def __init__(self, saturation: Saturation, clock: Callable[[], float] = time.monotonic) -> None:
-        self._saturation = saturation
-        self._clock = clock
-
-    def collect(self) -> Iterator[Metric]:
-        active = GaugeMetricFamily("extproc_saturation_active", "1 while a saturation rule is active.",
-                                   labels=["rule", "signal"])
-        for rule in self._saturation.rules(self._clock()):
-            active.add_metric([rule.name, rule.signal], 1.0 if rule.active else 0.0)
-        shed = GaugeMetricFamily("extproc_saturation_shed", "1 while saturation sheds the lane (its new "
-                                 "requests are rejected).", labels=["lane"])
-        factor = GaugeMetricFamily("extproc_saturation_limit_factor", "Factor saturation applies to the "
-                                   "lane's in-flight limit (1: none).", labels=["lane"])
-        for lane in self._saturation.lanes():
-            effect = self._saturation.effect(lane)
-            shed.add_metric([lane], 1.0 if effect.shed else 0.0)
-            factor.add_metric([lane], effect.factor)
-        yield from (active, shed, factor)

@@ -26,11 +26,11 @@ from prometheus_client import CollectorRegistry
 
 from extproc.controller import Controller
 from extproc.localstack import Stack, envoy_config, free_port
-from extproc.metrics import Metrics
+from extproc.metrics import Metrics, RateLimitMetrics
 from extproc.policy import Policy
 from extproc.policy.ratelimit import RateLimit
 from extproc.servers.extproc import ExternalProcessor
-from extproc.servers.ratelimit import ControllerPressure, RateLimitMetrics, RateLimitService, add_to_server
+from extproc.servers.ratelimit import ControllerPressure, RateLimitService, add_to_server
 from tests.integration.conftest import as_tenant
 
 pytestmark = pytest.mark.envoy

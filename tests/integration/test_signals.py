@@ -21,8 +21,9 @@ from prometheus_client import CollectorRegistry
 
 from extproc.core.saturation import Change, Reading, Saturation
 from extproc.localstack import free_port
+from extproc.metrics import SaturationCollector
 from extproc.policy.signals import Signals
-from extproc.signals.hub import SaturationCollector, SignalHub
+from extproc.signals.hub import SignalHub
 from extproc.sim.backend import build_app
 from extproc.sim.profiles import TEST
 from tests.integration.kueue_exporter import PENDING, QUEUE, Exporter, Prometheus

@@ -125,7 +125,7 @@ ALLOWED = {
     "policy": set(),
     "core": {"policy"},
     "state": {"policy"},
-    "signals": {"core", "policy"},
+    "signals": {"core", "metrics", "policy"},
     "metrics": {"core", "state"},
     "controller": {"core", "policy", "state", "metrics"},
     "tools": {"api", "core", "policy", "settings"},
@@ -153,3 +153,27 @@ def test_the_checker_sees_imports_inside_functions() -> None:
 
 def test_the_package_is_typed() -> None:
     assert (PACKAGE / "py.typed").exists()
+
+
+_METRIC_TYPES = {"Counter", "Gauge", "Histogram", "Summary", "Info", "Enum", "GaugeMetricFamily",
+                 "CounterMetricFamily", "HistogramMetricFamily", "SummaryMetricFamily", "InfoMetricFamily"}
+
+
+def test_every_metric_of_extproc_serve_is_declared_in_metrics_py() -> None:
+    """Only extproc/metrics.py declares metrics; the simulated backend's vLLM-named ones are that
+    program's own (extproc/sim)."""
+    declared = []
+    for name, path in MODULES.items():
+        if name == "extproc.metrics" or part(name) == "sim":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                func = node.func
+                called = func.id if isinstance(func, ast.Name) else (
+                    func.attr if isinstance(func, ast.Attribute) else "")
+                if called in _METRIC_TYPES:
+                    declared.append(f"{name}:{node.lineno} {called}")
+    assert declared == []
+    # The check sees declarations where they are.
+    assert any(isinstance(n, ast.Call) and getattr(n.func, "id", "") == "Counter"
+               for n in ast.walk(ast.parse(MODULES["extproc.metrics"].read_text())))

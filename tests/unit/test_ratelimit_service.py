@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from extproc.controller import Controller
 from extproc.core.classify import Classifier, RequestFacts
 from extproc.core.estimate import Job
-from extproc.metrics import Metrics
+from extproc.metrics import Metrics, RateLimitMetrics
 from extproc.policy import Policy
 from extproc.policy.ratelimit import RateLimit, problems
 from extproc.policy.ratelimit import RetryBudget as RetryBudgetPolicy
@@ -26,7 +26,6 @@ from extproc.servers.ratelimit import (
     ANY_LANE,
     ControllerPressure,
     LanePressure,
-    RateLimitMetrics,
     RateLimitService,
 )
 
