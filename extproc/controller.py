@@ -32,12 +32,9 @@ from extproc.core.saturation import Effect, Reading
 from extproc.metrics import Metrics
 from extproc.policy.schema import Policy
 from extproc.state import GlobalView, LaneLimits, Ledger, Limits
+from extproc.state.cluster import RefusalBackoff, others
 
 log = structlog.get_logger("extproc")
-
-#: Backoff of a lane the shared ledger refused: from this, doubling while refusals repeat, up to the max.
-_RETRY_MIN_S = 0.05
-_RETRY_MAX_S = 2.0
 
 
 class Controller:
@@ -71,11 +68,8 @@ class Controller:
         self._sync_wake = asyncio.Event()
         self._sync_task: asyncio.Task[None] | None = None
         self._freed: set[str] = set()
-        #: Lanes the ledger refused, and when each may ask again (backoff with jitter: a refusal
-        #: must never turn into a loop of grants and refusals).
-        self._retry_at: dict[str, float] = {}
-        self._refusals: dict[str, int] = {}
-        self._rng = rng or random.Random()
+        #: Lanes the ledger refused, and when each may ask again.
+        self._backoff = RefusalBackoff(rng)
         #: Slots the ledger granted, per lane (what in flight means with a shared ledger).
         self._leased_by_lane: dict[str, int] = {}
         #: Converts scheduler ranks (this clock) to epoch seconds, comparable across replicas.
@@ -249,17 +243,12 @@ class Controller:
         if verdict:
             self._leased[ticket.id] = ticket
             self._count_lease(lane, 1)
-            self._refusals.pop(lane, None)
-            self._retry_at.pop(lane, None)
+            self._backoff.granted(lane)
             self._record_now(decision)
             return decision
         self.metrics.ledger_refusals.labels(ticket.lane, verdict.value).inc()
-        # The lane asks again when a slot frees (a wake-up), or after a backoff that doubles while
-        # refusals repeat (jittered, so replicas refused together do not come back together).
-        streak = self._refusals.get(lane, 0)
-        self._refusals[lane] = streak + 1
-        backoff = min(_RETRY_MIN_S * 2 ** min(streak, 8), _RETRY_MAX_S)
-        self._retry_at[lane] = self.now() + backoff * self._rng.uniform(0.5, 1.5)
+        # The lane asks again when a slot frees (a wake-up), or after its backoff.
+        self._backoff.refused(lane, self.now())
         requeued = self.scheduler.requeue(ticket, self.now())
         self._waiters[ticket.id] = asyncio.get_running_loop().create_future()
         self._sync_wake.set()
@@ -305,8 +294,11 @@ class Controller:
         ledger = self.ledger
         assert ledger is not None
         while True:
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancel that races
+            # with the event (stop() would then wait forever).
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._sync_wake.wait(), interval)
+                async with asyncio.timeout(interval):
+                    await self._sync_wake.wait()
             self._sync_wake.clear()
             try:
                 await self._sync_once(ledger)
@@ -326,32 +318,17 @@ class Controller:
         mine: dict[str, int] = {}
         for ticket in self._leased.values():
             mine[ticket.lane] = mine.get(ticket.lane, 0) + 1
-        total: int | None = None
         alone = ledger.alone(self._limits) if view.degraded else None
-        if alone is not None:
-            # The store is unreachable: decide as the ledger will, on this replica's share alone, as
-            # if the other replicas held every slot beyond it. (Deciding on the full limits would
-            # admit what the ledger then refuses, again and again.)
-            others_inflight = {lane.name: max(0, lane.max_inflight - alone.lane(lane.name).max_inflight)
-                               for lane in self._limits.lanes}
-            others_queued: dict[str, int] = {}
-            total = max(0, self._limits.capacity - alone.capacity)
-        elif view.degraded:
-            others_inflight, others_queued = {}, {}
-        else:
-            others_inflight = {lane: n - mine.get(lane, 0) for lane, n in view.inflight.items()}
-            # Queue counts are read after publishing ours: the rest is the other replicas'.
-            views = scheduler.snapshot(self.now())
-            others_queued = {lane: n - (views[lane].queued if lane in views else 0)
-                             for lane, n in view.queued.items()}
+        # Queue counts are read after publishing ours: the rest is the other replicas'.
+        queued_here = {name: v.queued for name, v in scheduler.snapshot(self.now()).items()}
+        rest = others(view, mine, queued_here, self._limits, alone)
         now = self.now()
         freed, self._freed = self._freed, set()
-        self._settle(scheduler.set_others(others_inflight, others_queued, now, total))
+        self._settle(scheduler.set_others(rest.inflight, rest.queued, now, rest.total))
         if freed or scheduler.blocked:
             # Lanes refused before may try again where a slot freed (any lane's slot may be lent),
             # or once their backoff is over.
-            due = set(scheduler.blocked) if freed else {
-                lane for lane in scheduler.blocked if self._retry_at.get(lane, 0.0) <= now}
+            due = set(scheduler.blocked) if freed else self._backoff.due(scheduler.blocked, now)
             if due:
                 self._settle(scheduler.unblock(now, due))
         self._update_idle()
@@ -406,7 +383,8 @@ class Controller:
             self._wake.clear()
             timeout = None if due is None else max(due - self.now(), 0.0)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
             before = self.scheduler.reclaimed
             self._settle(self.scheduler.expire(self.now()))
             if self.scheduler.reclaimed > before:
