@@ -1,18 +1,16 @@
-"""``extproc top``: a live terminal view of a running extproc, read from its ``/admin/state``.
+"""``extproc top``: a live terminal view of a running extproc, read from its admin API.
 
-How this works: ``render`` is a pure function from one state document (and the one
-before it) to a frame of plain text lines that fit the terminal; it never sees a
-socket or an escape code, so tests assert on frames directly. Everything in the
-document is read defensively: a key that is missing, null or of the wrong type
-shows as a dash instead of breaking the view, so this viewer keeps working against
-an extproc a little older or newer than itself. ``command`` does the I/O: it fetches
-the document with aiohttp, and either prints one frame (``--once``) or the raw
-document (``--json``), or runs the live loop, which redraws in the terminal's
-alternate screen every ``--interval`` (plain ANSI, so it works over SSH in any
-80x24 terminal), redraws at once on a resize, reads keys in cbreak mode (``r`` or
-space fetches now), and on ``q``, Ctrl-C, SIGTERM or SIGHUP restores the terminal
-exactly as it found it. A failed fetch is shown in the frame, above the last good
-state, and retried at the next tick.
+How this works: the state is the admin API's ``State`` message, read over HTTP (the JSON of
+``/admin/state``, parsed into the message) or over gRPC (``Admin.GetState``). ``View`` is a
+rich renderable built from one state (and the one before it, for what changed); rich lays it
+out at whatever size it is given, and ``View`` only decides what to leave out when the screen
+is too short: blank lines first, then the lowest lines, counted. ``render`` turns a view into
+plain text for tests and scripts. The live loop shows the view with rich's ``Live`` on the
+alternate screen, redraws it every ``--interval`` and at once on a resize, reads keys in cbreak
+mode (``r`` or space fetches now), and on ``q``, Ctrl-C, SIGTERM or SIGHUP restores the terminal
+as it found it. A failed fetch is shown under the title, above the last good state, and retried
+at the next tick. Every string the server sends goes through ``clean`` before it is drawn, and
+never through rich markup, so no value can move the cursor or restyle the screen.
 """
 
 from __future__ import annotations
@@ -21,6 +19,7 @@ import argparse
 import asyncio
 import contextlib
 import errno
+import io
 import json
 import math
 import os
@@ -32,78 +31,56 @@ import termios
 import time
 import tty
 import unicodedata
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Protocol, TextIO
 from urllib.parse import urlsplit
 
 import aiohttp
+import grpc
+from google.protobuf.message import Message
+from rich.cells import cell_len
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
+from rich.live import Live
+from rich.measure import Measurement
+from rich.padding import Padding
+from rich.segment import Segment
+from rich.table import Table
+from rich.text import Text
 
+from extproc.api.admin.v1 import admin_pb2 as pb
+from extproc.api.admin.v1 import admin_pb2_grpc as pb_grpc
+from extproc.api.document import from_document, to_document
 from extproc.settings import Address, env, read_token
 
 DEFAULT_ADMIN = "127.0.0.1:9091"
 #: The same variables ``extproc serve`` reads, so one environment configures both ends.
 ADMIN_ENV, TOKEN_ENV, TOKEN_FILE_ENV = "EXTPROC_ADMIN", "EXTPROC_ADMIN_TOKEN", "EXTPROC_ADMIN_TOKEN_FILE"
 STATE_PATH = "/admin/state"
-#: The document version this viewer was written against; others are shown with a warning.
-STATE_VERSION = 1
-#: An admin document is a few kilobytes; anything this large is not one.
+#: The ``State.version`` this viewer was written for. The server's is ``extproc.admin.STATE_VERSION``,
+#: which a tool may not import (tests/unit/test_layout.py); a test keeps the two equal. Any other
+#: version is drawn with a warning.
+READS_VERSION = 1
+#: A state document is a few kilobytes; anything this large is not one.
 _MAX_BODY = 16 * 1024 * 1024
+_MIN_WIDTH = 20
 
 EXIT_FETCH = 1
 EXIT_USAGE = 2
 
+ALARM, NOTICE, HEAD = "red", "yellow", "bold"
+
 
 # ---------------------------------------------------------------------------------------------
-# Reading the document: every accessor returns None (or empty) for a missing or mistyped value.
+# Text for people.
 
-
-def _number(m: Mapping[str, Any], key: str) -> float | None:
-    value = m.get(key)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value) if math.isfinite(value) else None
-
-
-def _flag(m: Mapping[str, Any], key: str) -> bool:
-    return m.get(key) is True
-
-
-def _mapping(m: Mapping[str, Any], key: str) -> Mapping[str, Any]:
-    value = m.get(key)
-    return value if isinstance(value, Mapping) else {}
-
-
-def _records(m: Mapping[str, Any], key: str) -> list[Mapping[str, Any]]:
-    value = m.get(key)
-    if not isinstance(value, list):
-        return []
-    return [item for item in value if isinstance(item, Mapping)]
-
-
-_UNSAFE = re.compile(r"\s+")
+_SPACES = re.compile(r"\s+")
 
 
 def clean(text: object) -> str:
-    """``text`` as one line with no control characters.
-
-    The document's strings (error messages above all) reach the terminal; an escape
-    sequence or a newline inside one must not be able to move the cursor or recolour
-    the screen.
-    """
+    """``text`` as one line without control characters: what the server sends cannot steer the terminal."""
     chars = (" " if unicodedata.category(c).startswith("C") or c in "\u2028\u2029" else c for c in str(text))
-    return _UNSAFE.sub(" ", "".join(chars)).strip()
-
-
-def _text(m: Mapping[str, Any], key: str) -> str | None:
-    value = m.get(key)
-    if value is None or isinstance(value, Mapping | list):
-        return None
-    return clean(value)
-
-
-# ---------------------------------------------------------------------------------------------
-# Formatting values for people.
+    return _SPACES.sub(" ", "".join(chars)).strip()
 
 
 @dataclass(frozen=True)
@@ -143,9 +120,9 @@ def fmt_duration(seconds: float | None, g: Glyphs = UNICODE) -> str:
     return f"{whole // 86400}d{whole % 86400 // 3600:02d}h"
 
 
-def fmt_rate(per_second: float | None, g: Glyphs = UNICODE) -> str:
+def fmt_rate(per_second: float, g: Glyphs = UNICODE) -> str:
     """Events per second, short: 0, 0.05, 12.3, 450, 12k."""
-    if per_second is None:
+    if not math.isfinite(per_second):
         return g.missing
     if per_second <= 0:
         return "0"
@@ -158,440 +135,298 @@ def fmt_rate(per_second: float | None, g: Glyphs = UNICODE) -> str:
     return f"{per_second / 1000:.0f}k"
 
 
-def fmt_count(value: float | None, g: Glyphs = UNICODE) -> str:
-    return g.missing if value is None else str(round(value))
-
-
 def fmt_value(value: float | None, g: Glyphs = UNICODE) -> str:
-    """A signal's reading: integers as integers, the rest to four significant digits."""
-    if value is None:
+    """A reading: integers as integers, the rest to four significant digits."""
+    if value is None or not math.isfinite(value):
         return g.missing
     if value == int(value) and abs(value) < 1e15:
         return str(int(value))
     return f"{value:.4g}"
 
 
-def bar(value: float | None, total: float | None, width: int, g: Glyphs = UNICODE) -> str:
-    """``width`` cells filled in proportion to value/total.
-
-    Anything above zero shows at least one cell and only a full lane shows a full bar,
-    so 1 of 200 and 199 of 200 never look like 0 and 200.
-    """
+def bar(value: float, total: float, width: int, g: Glyphs = UNICODE) -> str:
+    """``width`` cells filled in proportion: anything above zero shows a cell, only a full lane a full bar."""
     if width <= 0:
         return ""
-    if value is None or total is None or total <= 0 or value <= 0:
+    if total <= 0 or value <= 0:
         return g.empty * width
     cells = width if value >= total else min(max(round(width * value / total), 1), width - 1)
     return g.fill * cells + g.empty * (width - cells)
 
 
-def fit(text: str, width: int, g: Glyphs = UNICODE) -> str:
-    """``text`` cut to ``width`` characters, with a mark where it was cut."""
-    if width <= 0:
-        return ""
-    if len(text) <= width:
-        return text
-    if width <= len(g.more):
-        return text[:width]
-    return text[: width - len(g.more)] + g.more
-
-
-def _fit_left(text: str, width: int, g: Glyphs) -> str:
-    """Like ``fit`` but keeps the end (a path's file name matters more than its directories)."""
-    if len(text) <= width:
-        return text
-    if width <= len(g.more):
-        return text[-width:] if width > 0 else ""
-    return g.more + text[len(text) - width + len(g.more):]
-
-
-def _clock(epoch: float | None) -> str | None:
-    if epoch is None:
-        return None
+def _clock(epoch: float) -> str:
+    """The wall clock at ``epoch`` (empty when unknown)."""
     try:
-        return time.strftime("%H:%M:%S", time.localtime(epoch))
+        return time.strftime("%H:%M:%S", time.localtime(epoch)) if epoch else ""
     except (OverflowError, OSError, ValueError):
-        return None
+        return ""
+
+
+def _optional(message: Message, field: str) -> float | None:
+    """An ``optional double`` as a number, or None when unset."""
+    return float(getattr(message, field)) if message.HasField(field) else None
+
+
+def _since(state: pb.State, then: float | None, g: Glyphs) -> str:
+    """How long ago ``then`` was at the state's time; empty if either is unknown."""
+    return fmt_duration(state.time - then, g) if then is not None and state.time else ""
+
+
+def _keep_end(text: str, width: int, g: Glyphs) -> str:
+    """``text`` cut from the left: of a path, the file name matters most."""
+    return text if len(text) <= width else g.more + text[len(text) - width + len(g.more):]
 
 
 # ---------------------------------------------------------------------------------------------
-# The frame.
+# The view.
 
-
-_MIN_WIDTH = 20
-_MAX_BAR = 16
-_MIN_BAR = 3
-_GOOD_BAR = 6
 _NAME_CAP = 20
 
 
-@dataclass
-class _Lane:
-    name: str
-    inflight: str
-    inflight_bar: tuple[float | None, float | None]
-    queued: str
-    queued_bar: tuple[float | None, float | None]
-    wait: str
-    admit: str
-    reject: str
-    flags: str
+def _cut(text: str, style: str = "") -> Text:
+    """One line that is cut with an ellipsis, never wrapped."""
+    return Text(text, style=style, no_wrap=True, overflow="ellipsis")
 
 
-def _lane_row(lane: Mapping[str, Any], g: Glyphs) -> _Lane:
-    inflight = _number(lane, "inflight")
-    limit = _number(lane, "limit")
-    effective = _number(lane, "effective_limit")
-    shown_limit = effective if effective is not None else limit
-    queued = _number(lane, "queued")
-    max_queued = _number(lane, "max_queued")
-    flags: list[str] = []
-    if _flag(lane, "closed"):
-        flags.append("CLOSED")
-    if _flag(lane, "retired"):
-        flags.append("RETIRED")
-    if _flag(lane, "paused"):
-        flags.append("PAUSED")
-    shed = _text(lane, "shed")
-    if shed:
-        flags.append(f"SHED {shed}")
-    if _flag(lane, "shadow"):
-        flags.append("SHADOW")
-    if effective is not None and limit is not None and effective != limit:
-        flags.append(f"LIMIT {fmt_count(limit, g)}{g.arrow}{fmt_count(effective, g)}")
-    borrowed = _number(lane, "borrowed")
-    if borrowed:
-        flags.append(f"BORROW {fmt_count(borrowed, g)}")
-    would_reject = _number(lane, "shadow_reject_per_s")
-    if would_reject:
-        flags.append(f"would reject {fmt_rate(would_reject, g)}/s")
-    return _Lane(
-        name=_text(lane, "name") or g.missing,
-        inflight=f"{fmt_count(inflight, g)}/{fmt_count(shown_limit, g)}",
-        inflight_bar=(inflight, shown_limit),
-        queued=f"{fmt_count(queued, g)}/{fmt_count(max_queued, g)}",
-        queued_bar=(queued, max_queued),
-        wait=f"{fmt_duration(_number(lane, 'wait_p50_s'), g)}/{fmt_duration(_number(lane, 'wait_p95_s'), g)}",
-        admit=fmt_rate(_number(lane, "admit_per_s"), g),
-        reject=fmt_rate(_number(lane, "reject_per_s"), g),
-        flags=", ".join(flags),
-    )
+def _words(parts: Iterable[tuple[str, str, bool]], sep: str = "  ", *, wrap: bool = False) -> Text:
+    """The (text, style, shown) parts that are shown, in one Text; cut rather than wrapped unless told."""
+    joint = Text(sep, no_wrap=not wrap, overflow="fold" if wrap else "ellipsis")
+    return joint.join(Text(text, style=style) for text, style, shown in parts if shown)
 
 
-_GAP = "  "
-_HEADS = ("LANE", "IN FLIGHT", "QUEUED", "WAIT p50/p95", "ADM/s", "REJ/s")
-
-
-def _lane_table(lanes: Sequence[_Lane], width: int, g: Glyphs) -> list[str] | None:
-    """One row per lane, bars sized to the room left; None if even bar-less rows do not fit."""
-    name_w = max(len(_HEADS[0]), min(max(len(r.name) for r in lanes), _NAME_CAP))
-    in_w = max(len(r.inflight) for r in lanes)
-    q_w = max(len(r.queued) for r in lanes)
-    wait_w = max(len(_HEADS[3]), *(len(r.wait) for r in lanes))
-    adm_w = max(len(_HEADS[4]), *(len(r.admit) for r in lanes))
-    rej_w = max(len(_HEADS[5]), *(len(r.reject) for r in lanes))
-    fixed = name_w + wait_w + adm_w + rej_w + 5 * len(_GAP)
-    no_bars = fixed + max(in_w, len(_HEADS[1])) + max(q_w, len(_HEADS[2]))
-    if no_bars > width:
-        return None
-    flags_w = max(len(r.flags) for r in lanes)
-    # Bars share what is left after the numbers with the flags: room is kept for the
-    # longest flags that still leave readable bars; longer ones go on a line of their own
-    # rather than shrinking the bars to nothing.
-    room = width - fixed - in_w - q_w - 2  # the two spaces between bar and count
-    bar_w = 0
-    for reserve in [*sorted({len(_GAP) + len(r.flags) for r in lanes if r.flags}, reverse=True), 0]:
-        bar_w = min((room - reserve) // 2, _MAX_BAR)
-        if bar_w >= _GOOD_BAR:
-            break
-    if bar_w < _MIN_BAR:
-        bar_w = 0
-    in_col = max(len(_HEADS[1]), in_w + (bar_w + 1 if bar_w else 0))
-    q_col = max(len(_HEADS[2]), q_w + (bar_w + 1 if bar_w else 0))
-
-    def cell(pair: tuple[float | None, float | None], count: str, count_w: int, col: int) -> str:
-        text = count.rjust(count_w)
-        if bar_w:
-            text = bar(pair[0], pair[1], bar_w, g) + " " + text
-        return text.rjust(col)
-
-    # Over a bar the heading starts where the bar does; over a bare count it sits on the count.
-    align = str.ljust if bar_w else str.rjust
-    head = _GAP.join((_HEADS[0].ljust(name_w), align(_HEADS[1], in_col), align(_HEADS[2], q_col),
-                      _HEADS[3].rjust(wait_w), _HEADS[4].rjust(adm_w), _HEADS[5].rjust(rej_w)))
-    lines = [head + (_GAP + "FLAGS" if flags_w and len(head) + len(_GAP) + 5 <= width else "")]
-    for r in lanes:
-        row = _GAP.join((fit(r.name, name_w, g).ljust(name_w), cell(r.inflight_bar, r.inflight, in_w, in_col),
-                         cell(r.queued_bar, r.queued, q_w, q_col), r.wait.rjust(wait_w),
-                         r.admit.rjust(adm_w), r.reject.rjust(rej_w)))
-        if r.flags and len(row) + len(_GAP) + len(r.flags) <= width:
-            row += _GAP + r.flags
-            r_flags = ""
-        else:
-            r_flags = r.flags
-        lines.append(row)
-        if r_flags:
-            # Under the numbers, not the name, so it reads as this lane's and not as a lane.
-            lines.append(fit(" " * (name_w + len(_GAP)) + r_flags, width, g))
-    return lines
-
-
-def _lane_stack(lanes: Sequence[_Lane], width: int, g: Glyphs) -> list[str]:
-    """Two lines per lane, for terminals too narrow for the table."""
-    lines: list[str] = []
-    for r in lanes:
-        lines.append(fit(f"{r.name}  in flight {r.inflight}  queued {r.queued}", width, g))
-        detail = f"  wait {r.wait}  admit {r.admit}/s  reject {r.reject}/s"
-        if r.flags:
-            detail += f"  {r.flags}"
-        lines.append(fit(detail, width, g))
-    return lines
-
-
-def _header(state: Mapping[str, Any], width: int, g: Glyphs, source: str) -> list[str]:
-    now = _number(state, "time")
-    status = [word for word, on in (("DRAINING", _flag(state, "draining")),
-                                    ("SHADOW MODE", _flag(state, "shadow"))) if on]
-    left = f"extproc top  {source}" if source else "extproc top"
-    uptime = _number(state, "uptime_s")
-    if uptime is not None:
-        left += f"  up {fmt_duration(uptime, g)}"
-    clock = _clock(now)
-    if clock:
-        left += f"  {clock}"
-    right = "  ".join(status)
-    if right:
-        # The status words must survive any width: they are the reason to look.
-        room = width - len(right) - 2
-        line = (fit(left, room, g) + "  " + right) if room > 0 else fit(right, width, g)
-    else:
-        line = fit(left, width, g)
-    lines = [line]
-
-    policy = _mapping(state, "policy")
-    if policy:
-        sha = _text(policy, "sha256")
-        ok, failed = _number(policy, "reloads_ok"), _number(policy, "reloads_failed")
-        tail = ""
-        if sha:
-            tail += f" @{sha[:8]}"
-        tail += f"  reloads {fmt_count(ok, g)} ok, {fmt_count(failed, g)} failed"
-        loaded = _number(policy, "loaded_at")
-        if loaded is not None and now is not None:
-            tail += f"  loaded {fmt_duration(now - loaded, g)} ago"
-        file = _text(policy, "file") or g.missing
-        room = max(width - len("policy ") - len(tail), 12)
-        lines.append(fit("policy " + _fit_left(file, room, g) + tail, width, g))
-        errors = policy.get("last_error")
-        problems = [clean(e) for e in errors] if isinstance(errors, list) else (
-            [clean(errors)] if isinstance(errors, str) else [])
-        problems = [p for p in problems if p]
-        if problems:
-            more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
-            stale = _number(policy, "stale_since")
-            age = f" for {fmt_duration(now - stale, g)}" if stale is not None and now is not None else ""
-            lines.append(fit(f"! file invalid{age}, old policy kept: {problems[0]}{more}", width, g))
-
-    capacity = _mapping(state, "capacity")
-    if capacity:
-        inflight, limit = _number(capacity, "inflight"), _number(capacity, "limit")
-        text = f"{fmt_count(inflight, g)}/{fmt_count(limit, g)} in flight  " \
-               f"{fmt_count(_number(capacity, 'queued'), g)} queued"
-        window = _number(state, "window_s")
-        if window is not None:
-            text += f"  rates over {fmt_duration(window, g)}"
-        bar_w = min(_MAX_BAR * 2, width - len("capacity ") - len(text) - 2)
-        if bar_w >= _MIN_BAR:
-            text = bar(inflight, limit, bar_w, g) + "  " + text
-        lines.append(fit("capacity " + text, width, g))
-    return lines
-
-
-def _saturation(state: Mapping[str, Any], width: int, g: Glyphs) -> list[str]:
-    rules = _records(state, "saturation")
-    if not rules:
-        return []
-    now = _number(state, "time")
-    names = [_text(r, "rule") or g.missing for r in rules]
-    name_w = min(max(len(n) for n in names), _NAME_CAP)
-    rows: list[list[str]] = []
-    for rule, name in zip(rules, names, strict=True):
-        since = _number(rule, "since")
-        if _flag(rule, "active"):
-            status = "ACTIVE"
-            if since is not None and now is not None:
-                status += f" {fmt_duration(now - since, g)}"
-        else:
-            status = "idle"
-        signal_text = _text(rule, "signal") or g.missing
-        value = _number(rule, "value")
-        if value is not None:
-            signal_text += f"={fmt_value(value, g)}"
-        parts = [fit(name, name_w, g).ljust(name_w), status, signal_text]
-        if _flag(rule, "stale"):
-            parts.append("STALE")
-        error = _text(rule, "error")
-        if error:
-            parts.append(f"error: {error}")
-        shed = rule.get("shed")
-        if isinstance(shed, list) and shed:
-            parts.append("shed " + ", ".join(clean(s) for s in shed))
-        shrink = _mapping(rule, "shrink")
-        factors = [f"{clean(lane)}{g.times}{fmt_value(_number(shrink, lane), g)}" for lane in shrink]
-        if factors:
-            parts.append("shrink " + ", ".join(factors))
-        rows.append(parts)
-    status_w = max(len(parts[1]) for parts in rows)
-    lines = ["SATURATION"]
-    for parts in rows:
-        parts[1] = parts[1].ljust(status_w)
-        lines.append(fit("  " + "  ".join(parts), width, g))
-    return lines
-
-
-def _signals(state: Mapping[str, Any], width: int, g: Glyphs) -> list[str]:
-    signals = _records(state, "signals")
-    if not signals:
-        return []
-    names = [_text(s, "name") or g.missing for s in signals]
-    name_w = min(max(len(n) for n in names), _NAME_CAP)
-    values = [fmt_value(_number(s, "value"), g) for s in signals]
-    value_w = max(len(v) for v in values)
-    lines = ["SIGNALS"]
-    for s, name, value in zip(signals, names, values, strict=True):
-        age = _number(s, "age_s")
-        when = f"{fmt_duration(age, g)} ago" if age is not None else "never read"
-        parts = [fit(name, name_w, g).ljust(name_w), value.rjust(value_w), when.ljust(12)]
-        if _flag(s, "stale"):
-            parts.append("STALE")
-        error = _text(s, "error")
-        if error:
-            parts.append(f"error: {error}")
-        lines.append(fit("  " + "  ".join(parts).rstrip(), width, g))
-    return lines
-
-
-def _rejection_counts(lane: Mapping[str, Any]) -> dict[str, float]:
-    counts = _mapping(lane, "rejections")
-    out: dict[str, float] = {}
-    for reason in counts:
-        value = _number(counts, reason)
-        if value is not None:
-            out[clean(reason)] = value
-    return out
-
-
-def _rejections(state: Mapping[str, Any], previous: Mapping[str, Any] | None, width: int,
-                g: Glyphs) -> list[str]:
-    before: dict[str, dict[str, float]] = {}
-    if previous is not None:
-        for lane in _records(previous, "lanes"):
-            name = _text(lane, "name")
-            if name:
-                before[name] = _rejection_counts(lane)
-    rows: list[tuple[str, str]] = []
-    for lane in _records(state, "lanes"):
-        name = _text(lane, "name") or g.missing
-        counts = _rejection_counts(lane)
-        if not any(counts.values()):
-            continue
-        old = before.get(name)
-        parts = []
-        for reason, count in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
-            if not count:
-                continue
-            # A count that went down means extproc restarted: no delta is better than a negative one.
-            delta = count - old.get(reason, 0.0) if old is not None else 0.0
-            grew = f" (+{fmt_count(delta, g)})" if delta > 0 else ""
-            parts.append(f"{reason} {fmt_count(count, g)}{grew}")
-        rows.append((name, "  ".join(parts)))
+def _section(title: str, rows: list[list[RenderableType]]) -> RenderableType | None:
+    """A heading over borderless rows: a name, values, and a last column that gives way when narrow."""
     if not rows:
-        return []
-    name_w = min(max(len(n) for n, _ in rows), _NAME_CAP)
-    title = "REJECTIONS since start" + (" (+ since the last frame)" if previous is not None else "")
-    return [fit(title, width, g)] + [fit(f"  {fit(n, name_w, g).ljust(name_w)}  {text}", width, g)
-                                     for n, text in rows]
+        return None
+    table = Table(box=None, show_header=False, pad_edge=False, padding=(0, 1))
+    table.add_column(no_wrap=True, overflow="ellipsis", max_width=_NAME_CAP)
+    for _ in rows[0][2:]:
+        table.add_column(no_wrap=True, overflow="ellipsis")
+    table.add_column()  # wrappable, so rich shrinks it first; what it holds is cut, never wrapped
+    for row in rows:
+        table.add_row(*row)
+    return Group(_cut(title, HEAD), Padding(table, (0, 0, 0, 2)))
 
 
-def render(state: Mapping[str, Any], width: int, height: int, previous: Mapping[str, Any] | None = None,
-           *, source: str = "", error: str | None = None, ascii: bool = False) -> str:
-    """One frame: at most ``height`` lines of at most ``width`` characters, no escape codes.
+@dataclass
+class View:
+    """One frame of ``extproc top``: a rich renderable that fits whatever size it is drawn at."""
 
-    ``previous`` is the state shown in the frame before, for what changed since
-    (rejections by reason); ``source`` names the extproc being watched; ``error`` is
-    why the latest fetch failed, shown above whatever ``state`` still holds.
-    """
-    g = ASCII if ascii else UNICODE
-    width = max(width, _MIN_WIDTH)
-    height = max(height, 1)
-    lines: list[str] = []
-    if state:
-        lines += _header(state, width, g, source)
-    else:
-        lines.append(fit(f"extproc top  {source}" if source else "extproc top", width, g))
-    if error:
-        last = _clock(_number(state, "time")) if state else None
-        note = f" (showing the state of {last})" if last else ""
-        # Right under the title: the numbers below are old, and that must be read first.
-        lines.insert(1, fit(f"! {clean(error)}{note}", width, g))
-    version = state.get("version", STATE_VERSION)
-    if version != STATE_VERSION:
-        lines.append(fit(f"! state document version {clean(version)}; this top reads version "
-                         f"{STATE_VERSION}: some values may be missing", width, g))
-    if not state:
-        return "\n".join(lines[:height])
+    state: pb.State | None
+    previous: pb.State | None = None
+    source: str = ""
+    error: str | None = None
+    ascii: bool = False
 
-    lanes = [_lane_row(lane, g) for lane in _records(state, "lanes")]
-    lines.append("")
-    if lanes:
-        table = _lane_table(lanes, width, g)
-        lines += table if table is not None else _lane_stack(lanes, width, g)
-    else:
-        lines.append("no lanes")
-    for section in (_saturation(state, width, g), _signals(state, width, g),
-                    _rejections(state, previous, width, g)):
-        if section:
-            lines.append("")
-            lines += section
-    return "\n".join(_fit_height(lines, width, height, g))
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        g = ASCII if self.ascii else UNICODE
+        opts = options.update(width=max(options.max_width, _MIN_WIDTH), height=None)
+        top = [line for part in self._header(g, opts.max_width) for line in console.render_lines(part, opts)]
+        blocks = [console.render_lines(part, opts) for part in self._sections(console, opts, g)]
+        lines = top + [line for block in blocks for line in ([], *block)]
+        height = options.height
+        if height is not None and len(lines) > height:
+            lines = top + [line for block in blocks for line in block]  # spacing goes first
+        if height is not None and len(lines) > height:
+            hidden = len(lines) - (height - 1)
+            note = _cut(f"{g.more} {hidden} more line{'s' if hidden > 1 else ''}: enlarge the window")
+            lines = lines[: height - 1] + console.render_lines(note, opts) if height > 1 else lines[:1]
+        for line in lines:
+            yield from _plain(line, self.ascii)
+            yield Segment.line()
+
+    def _header(self, g: Glyphs, width: int) -> Iterator[RenderableType]:
+        state = self.state
+        title = Text.assemble(("extproc top", HEAD), f"  {clean(self.source)}" if self.source else "")
+        status = Text()
+        if state is not None:
+            title.append(f"  up {fmt_duration(state.uptime_s, g)}")
+            title.append(f"  {_clock(state.time)}".rstrip())
+            status = _words((("DRAINING", ALARM, state.draining), ("SHADOW MODE", NOTICE, state.shadow)))
+        # A grid keeps the status words on the line whatever its width: they are the reason to look.
+        line = Table.grid(expand=True, padding=(0, 2))
+        line.add_column(ratio=1, no_wrap=True, overflow="ellipsis")
+        line.add_column(no_wrap=True, justify="right", overflow="ellipsis")
+        line.add_row(title, status)
+        yield line
+        if self.error:
+            seen = _clock(state.time) if state is not None else ""
+            seen = f" (showing the state of {seen})" if seen else ""
+            # Right under the title: the numbers below are old, and that must be read first.
+            yield _cut(f"! {clean(self.error)}{seen}", ALARM)
+        if state is None:
+            return
+        if state.version != READS_VERSION:
+            yield _cut(f"! state version {state.version}; this top reads version {READS_VERSION}: "
+                       "some values may be missing", ALARM)
+        if state.HasField("policy"):
+            policy = state.policy
+            tail = f" @{clean(policy.sha256)[:8]}" if policy.sha256 else ""
+            tail += f"  reloads {policy.reloads_ok} ok, {policy.reloads_failed} failed"
+            if policy.loaded_at and state.time:
+                tail += f"  loaded {fmt_duration(state.time - policy.loaded_at, g)} ago"
+            file = _keep_end(clean(policy.file) or g.missing, max(width - len("policy ") - len(tail), 12), g)
+            yield _cut(f"policy {file}{tail}")
+            if problems := [p for p in map(clean, policy.last_error) if p]:
+                age = _since(state, _optional(policy, "stale_since"), g)
+                age = f" for {age}" if age else ""
+                more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+                yield _cut(f"! file invalid{age}, old policy kept: {problems[0]}{more}", ALARM)
+        if state.HasField("capacity"):
+            cap = state.capacity
+            text = f"{cap.inflight}/{cap.limit} in flight  {cap.queued} queued"
+            text += f"  rates over {fmt_duration(state.window_s, g)}" if state.window_s else ""
+            bar_w = min(32, width - len("capacity   ") - len(text))
+            shown = bar(cap.inflight, cap.limit, bar_w, g) + "  " if bar_w >= 3 else ""
+            yield _cut(f"capacity {shown}{text}")
+
+    def _sections(self, console: Console, options: ConsoleOptions, g: Glyphs) -> Iterator[RenderableType]:
+        if (state := self.state) is None:
+            return
+        yield _lanes(state, console, options, g) if state.lanes else Text("no lanes")
+        for section in (_saturation(state, g), _signals(state, g), _rejections(state, self.previous, g),
+                        _tenants(state, g)):
+            if section is not None:
+                yield section
 
 
-def _fit_height(lines: list[str], width: int, height: int, g: Glyphs) -> list[str]:
-    if len(lines) <= height:
-        return lines
-    if height == 1:
-        return lines[:1]
-    # Blank separators go first: every line of content is worth more than spacing.
-    lines = [line for line in lines if line]
-    if len(lines) <= height:
-        return lines
-    hidden = len(lines) - (height - 1)
-    plural = "s" if hidden > 1 else ""
-    return [*lines[: height - 1], fit(f"{g.more} {hidden} more line{plural}: enlarge the window", width, g)]
+def _plain(line: list[Segment], ascii: bool) -> Iterator[Segment]:
+    """One rendered line without its trailing blanks; in ASCII mode with nothing but ASCII."""
+    while line and not line[-1].control and not line[-1].text.rstrip():
+        line = line[:-1]
+    for n, segment in enumerate(line):
+        text = segment.text.rstrip() if n == len(line) - 1 and not segment.control else segment.text
+        if ascii:
+            # rich cuts with "…" and names may hold anything; an ASCII terminal refuses both. Each
+            # character becomes as many "?" as it takes cells, so columns stay aligned.
+            text = "".join(c if c.isascii() else ASCII.more if c == "…" else "?" * cell_len(c) for c in text)
+        yield Segment(text, segment.style, segment.control)
 
 
-# ---------------------------------------------------------------------------------------------
-# Colour: applied to a finished frame, outside render, only for a terminal that wants it.
+def _flags(lane: pb.Lane, g: Glyphs) -> Text:
+    # Wrapped in their column when it is narrow (at the spaces), never cut: each word is news.
+    return _words((
+        ("CLOSED", ALARM, lane.closed), ("RETIRED", NOTICE, lane.retired), ("PAUSED", NOTICE, lane.paused),
+        (f"SHED {clean(lane.shed)}", NOTICE, lane.HasField("shed")), ("SHADOW", NOTICE, lane.shadow),
+        (f"LIMIT {lane.limit}{g.arrow}{lane.effective_limit}", NOTICE, lane.effective_limit != lane.limit),
+        (f"BORROW {lane.borrowed}", NOTICE, lane.borrowed > 0),
+        (f"would reject {fmt_rate(lane.shadow_reject_per_s, g)}/s", "", lane.shadow_reject_per_s > 0),
+    ), ", ", wrap=True)
 
-_BOLD, _RED, _YELLOW, _RESET = "\x1b[1m", "\x1b[31m", "\x1b[33m", "\x1b[0m"
-_ALARM = re.compile(r"\b(DRAINING|STALE|CLOSED|ACTIVE(?: \S+)?)\b")
-_NOTICE = re.compile(r"\b(PAUSED|SHED [^\s,]+|SHADOW(?: MODE)?|RETIRED|LIMIT [^\s,]+|BORROW \d+)(?=[\s,]|$)")
-_SECTION = re.compile(r"^(LANE |SATURATION$|SIGNALS$|REJECTIONS )")
+
+def _lane_table(state: pb.State, g: Glyphs, bar_w: int, flags: list[Text] | None) -> Table:
+    table = Table(box=None, pad_edge=False, padding=(0, 1), header_style=HEAD)
+    table.add_column("LANE", no_wrap=True, overflow="ellipsis", max_width=_NAME_CAP)
+    for head in ("IN FLIGHT", "QUEUED", "WAIT p50/p95", "ADM/s", "REJ/s"):
+        table.add_column(head, justify="right", no_wrap=True, overflow="ellipsis")
+    if flags is not None:
+        table.add_column("FLAGS", min_width=8)
+    in_w = max(len(f"{lane.inflight}/{lane.effective_limit}") for lane in state.lanes)
+    q_w = max(len(f"{lane.queued}/{lane.max_queued}") for lane in state.lanes)
+
+    def gauge(value: int, total: int, count_w: int) -> str:
+        return (bar(value, total, bar_w, g) + " " if bar_w else "") + f"{value}/{total}".rjust(count_w)
+
+    for n, lane in enumerate(state.lanes):
+        table.add_row(clean(lane.name) or g.missing, gauge(lane.inflight, lane.effective_limit, in_w),
+                      gauge(lane.queued, lane.max_queued, q_w), _wait(lane, g), fmt_rate(lane.admit_per_s, g),
+                      fmt_rate(lane.reject_per_s, g), *([flags[n]] if flags is not None else []))
+    return table
 
 
-def paint(frame: str) -> str:
-    """``frame`` with SGR colours: a bold title, red alarms and errors, yellow notices."""
-    out = []
-    for number, line in enumerate(frame.split("\n")):
-        if line.startswith("! "):
-            line = _RED + line + _RESET
-        elif number == 0 or _SECTION.match(line):
-            line = _BOLD + _ALARM.sub(lambda m: _RED + m.group(1) + _RESET + _BOLD, line) + _RESET
-        else:
-            line = _ALARM.sub(lambda m: _RED + m.group(1) + _RESET, line)
-            line = _NOTICE.sub(lambda m: _YELLOW + m.group(1) + _RESET, line)
-        out.append(line)
-    return "\n".join(out)
+def _wait(lane: pb.Lane, g: Glyphs) -> str:
+    p50, p95 = _optional(lane, "wait_p50_s"), _optional(lane, "wait_p95_s")
+    return f"{fmt_duration(p50, g)}/{fmt_duration(p95, g)}"
+
+
+def _lanes(state: pb.State, console: Console, options: ConsoleOptions, g: Glyphs) -> RenderableType:
+    """The lane table with the widest bars that leave the status words room; stacked lines when narrow."""
+    flags = [_flags(lane, g) for lane in state.lanes]
+    longest = max(len(f) for f in flags)
+    # Readable bars with the status words on one line; else smaller bars, or none, and a column
+    # the status words wrap in.
+    for reserve, bar_w in ((longest, 16), (longest, 10), (longest, 6), (12, 6), (12, 4), (8, 0)):
+        table = _lane_table(state, g, bar_w, None)
+        room = options.max_width - (min(reserve, longest) + 2 if longest else 0)
+        if Measurement.get(console, options.update_width(10_000), table).maximum <= room:
+            return _lane_table(state, g, bar_w, flags) if longest else table
+    stack: list[RenderableType] = []
+    for lane, words in zip(state.lanes, flags, strict=True):
+        stack += [_cut(f"{clean(lane.name) or g.missing}  in flight {lane.inflight}/{lane.effective_limit}"
+                       f"  queued {lane.queued}/{lane.max_queued}", HEAD),
+                  _cut(f"  wait {_wait(lane, g)}  admit {fmt_rate(lane.admit_per_s, g)}/s  "
+                       f"reject {fmt_rate(lane.reject_per_s, g)}/s")]
+        stack += [Text.assemble("  ", words, no_wrap=True, overflow="ellipsis")] if words else []
+    return Group(*stack)
+
+
+def _saturation(state: pb.State, g: Glyphs) -> RenderableType | None:
+    rows: list[list[RenderableType]] = []
+    for rule in state.saturation:
+        active = f"ACTIVE {_since(state, _optional(rule, 'since'), g)}".rstrip()
+        shrink = ", ".join(f"{clean(k)}{g.times}{fmt_value(x, g)}" for k, x in sorted(rule.shrink.items()))
+        error = clean(rule.error)
+        detail = _words((("STALE", ALARM, rule.stale), (f"error: {error}", ALARM, bool(error)),
+                         ("shed " + ", ".join(map(clean, rule.shed)), "", bool(rule.shed)),
+                         (f"shrink {shrink}", "", bool(shrink))))
+        value = f"={fmt_value(rule.value, g)}" if rule.HasField("value") else ""
+        rows.append([clean(rule.rule) or g.missing, _cut(active, ALARM) if rule.active else "idle",
+                     (clean(rule.signal) or g.missing) + value, detail])
+    return _section("SATURATION", rows)
+
+
+def _signals(state: pb.State, g: Glyphs) -> RenderableType | None:
+    rows: list[list[RenderableType]] = []
+    for sig in state.signals:
+        age = _optional(sig, "age_s")
+        error = clean(sig.error)
+        detail = _words((("STALE", ALARM, sig.stale), (f"error: {error}", ALARM, bool(error))))
+        value = Text(fmt_value(_optional(sig, "value"), g), justify="right")
+        rows.append([clean(sig.name) or g.missing, value,
+                     f"{fmt_duration(age, g)} ago" if age is not None else "never read", detail])
+    return _section("SIGNALS", rows)
+
+
+def _rejections(state: pb.State, previous: pb.State | None, g: Glyphs) -> RenderableType | None:
+    before = {lane.name: lane.rejections for lane in previous.lanes} if previous is not None else {}
+    rows: list[list[RenderableType]] = []
+    for lane in state.lanes:
+        old = before.get(lane.name)
+        parts = []
+        for reason, n in sorted(lane.rejections.items(), key=lambda kv: (-kv[1], kv[0])):
+            # A count that went down means extproc restarted: no delta is better than a negative one.
+            delta = n - old.get(reason, 0) if old is not None else 0
+            parts += [f"{clean(reason)} {n}" + (f" (+{delta})" if delta > 0 else "")] if n else []
+        rows += [[clean(lane.name) or g.missing, _cut("  ".join(parts))]] if parts else []
+    since = " (+ since the last frame)" if previous is not None else ""
+    return _section(f"REJECTIONS since start{since}", rows)
+
+
+def _tenants(state: pb.State, g: Glyphs) -> RenderableType | None:
+    """Only while some tenant waits: that is when the fair share between them decides anything."""
+    if not any(t.queued for t in state.tenants):
+        return None
+    return _section("TENANTS", [
+        [clean(t.name) or g.missing, f"weight {fmt_value(t.weight, g)}", f"queued {t.queued}",
+         _cut(", ".join(f"{clean(lane)} {n}" for lane, n in sorted(t.queued_by_lane.items(),
+                                                                    key=lambda kv: (-kv[1], kv[0]))))]
+        for t in sorted(state.tenants, key=lambda t: (-t.queued, t.name))])
+
+
+def make_console(file: TextIO, *, colour: bool, terminal: bool = False, width: int | None = None) -> Console:
+    """A console that writes only what it is told: no markup, no highlighting, colour only if asked."""
+    return Console(file=file, width=width, force_terminal=terminal or colour, no_color=not colour,
+                   color_system="standard" if colour else None, highlight=False, markup=False, emoji=False,
+                   legacy_windows=False)
+
+
+def render(state: pb.State | None, width: int, height: int | None = None, previous: pb.State | None = None,
+           *, source: str = "", error: str | None = None, ascii: bool = False, colour: bool = False) -> str:
+    """One frame as text: at most ``height`` lines (any number if None) of at most ``width`` cells."""
+    buffer = io.StringIO()
+    console = make_console(buffer, colour=colour, width=max(width, _MIN_WIDTH))
+    console.print(View(state, previous, source=source, error=error, ascii=ascii), height=height)
+    return buffer.getvalue().rstrip("\n")
 
 
 def wants_colour(stream: TextIO) -> bool:
@@ -600,23 +435,28 @@ def wants_colour(stream: TextIO) -> bool:
 
 
 def wants_ascii(stream: TextIO) -> bool:
-    """True when the stream's encoding cannot carry the Unicode glyphs (a stream of str can)."""
-    encoding = getattr(stream, "encoding", None)
-    if not encoding:
-        return False
-    try:
-        "".join(vars(UNICODE).values()).encode(encoding)
-    except (UnicodeEncodeError, LookupError):
-        return True
-    return False
+    """True when the stream's encoding is not a Unicode one (a stream of str has none: it takes anything)."""
+    return not (getattr(stream, "encoding", None) or "utf-8").lower().startswith("utf")
 
 
 # ---------------------------------------------------------------------------------------------
-# Fetching.
+# Fetching: each source turns every failure into a FetchError with a message fit to show.
 
 
 class FetchError(Exception):
     """The state could not be read; the message is for the operator as it stands."""
+
+
+class Source(Protocol):
+    """Where the state comes from; ``state`` raises FetchError and nothing else of its own."""
+
+    async def state(self) -> pb.State: ...
+
+    async def close(self) -> None: ...
+
+
+def _token_help(token: str | None) -> str:
+    return "token rejected" if token else f"token required ({TOKEN_ENV}, --token-file or --token)"
 
 
 def state_url(target: str) -> tuple[str, str]:
@@ -631,209 +471,206 @@ def state_url(target: str) -> tuple[str, str]:
     return f"http://{address}{STATE_PATH}", str(address)
 
 
-def _refused(exc: aiohttp.ClientConnectorError) -> str:
-    cause = exc.os_error
-    if isinstance(cause, ConnectionRefusedError) or cause.errno == errno.ECONNREFUSED:
-        return "connection refused"
-    if cause.errno:
-        return os.strerror(cause.errno).lower()
-    return clean(cause) or type(cause).__name__
-
-
-async def fetch_state(session: aiohttp.ClientSession, url: str, name: str, *, token: str | None,
-                      within: float) -> dict[str, Any]:
-    """GET the state document; any failure becomes a FetchError with a message fit to show."""
-    headers = {"Accept": "application/json"}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    try:
-        async with session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=within),
-                               allow_redirects=False) as response:
-            if response.status in (401, 403):
-                why = "token rejected" if token else f"token required ({TOKEN_ENV}, --token-file or --token)"
-                raise FetchError(f"{response.status}: {why}")
-            if response.status == 404:
-                raise FetchError(f"404: {name} has no {urlsplit(url).path} (not extproc's admin port, "
-                                 "or an extproc without it)")
-            body = await response.content.read(_MAX_BODY + 1)
-            if response.status != 200:
-                detail = clean(body[:200].decode("utf-8", "replace")) or response.reason or ""
-                raise FetchError(f"{response.status}: {detail}".rstrip(": "))
-    except aiohttp.ClientConnectorDNSError:
-        raise FetchError(f"cannot resolve {name}") from None
-    except aiohttp.ClientConnectorError as exc:
-        raise FetchError(f"cannot reach {name}: {_refused(exc)}") from None
-    except TimeoutError:
-        raise FetchError(f"{name} did not answer within {fmt_duration(within)}") from None
-    except aiohttp.ServerDisconnectedError:
-        raise FetchError(f"{name} closed the connection without answering") from None
-    except aiohttp.ClientError as exc:
-        raise FetchError(f"cannot read {name}: {clean(exc) or type(exc).__name__}") from None
-    if len(body) > _MAX_BODY:
-        raise FetchError(f"{name} answered with more than {_MAX_BODY // 2**20} MiB: not a state document")
+def parse_state(body: bytes, name: str) -> pb.State:
+    """The ``State`` in a JSON document: unknown keys are ignored, a value of the wrong type is not."""
     try:
         doc = json.loads(body)
     except ValueError:
         doc = None
     if not isinstance(doc, dict):
         raise FetchError(f"{name} did not answer with a JSON object: not a state document")
-    return doc
+    try:
+        return from_document(doc, pb.State)
+    except ValueError as exc:
+        raise FetchError(f"{name} sent a state this top cannot read: {clean(exc)}") from None
+
+
+class HttpSource:
+    """``GET /admin/state`` (or the URL given) with aiohttp, the JSON parsed into a State."""
+
+    def __init__(self, url: str, name: str, token: str | None, within: float) -> None:
+        self.url, self.name, self.token, self.within = url, name, token, within
+        self._session: aiohttp.ClientSession | None = None
+
+    async def state(self) -> pb.State:
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        headers = {"Accept": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        name = self.name
+        try:
+            async with self._session.get(self.url, headers=headers, allow_redirects=False,
+                                         timeout=aiohttp.ClientTimeout(total=self.within)) as response:
+                if response.status in (401, 403):
+                    raise FetchError(f"{response.status}: {_token_help(self.token)}")
+                if response.status == 404:
+                    raise FetchError(f"404: {name} has no {urlsplit(self.url).path} (not extproc's admin "
+                                     "port, or an extproc without it)")
+                body = await response.content.read(_MAX_BODY + 1)
+                if response.status != 200:
+                    detail = clean(body[:200].decode("utf-8", "replace")) or response.reason or ""
+                    raise FetchError(f"{response.status}: {detail}".rstrip(": "))
+        except aiohttp.ClientConnectorDNSError:
+            raise FetchError(f"cannot resolve {name}") from None
+        except aiohttp.ClientConnectorError as exc:
+            cause = exc.os_error
+            why = ("connection refused" if isinstance(cause, ConnectionRefusedError)
+                   or cause.errno == errno.ECONNREFUSED else
+                   os.strerror(cause.errno).lower() if cause.errno else clean(cause) or type(cause).__name__)
+            raise FetchError(f"cannot reach {name}: {why}") from None
+        except TimeoutError:
+            raise FetchError(f"{name} did not answer within {fmt_duration(self.within)}") from None
+        except aiohttp.ServerDisconnectedError:
+            raise FetchError(f"{name} closed the connection without answering") from None
+        except aiohttp.ClientError as exc:
+            raise FetchError(f"cannot read {name}: {clean(exc) or type(exc).__name__}") from None
+        if len(body) > _MAX_BODY:
+            raise FetchError(f"{name} answered with more than {_MAX_BODY // 2**20} MiB: not a state document")
+        return parse_state(body, name)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+class GrpcSource:
+    """``Admin.GetState`` on the gRPC admin port, the token sent as ``authorization`` metadata."""
+
+    def __init__(self, address: str, token: str | None, within: float) -> None:
+        self.name, self.token, self.within = address, token, within
+        self._channel: grpc.aio.Channel | None = None
+
+    async def state(self) -> pb.State:
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(self.name)
+        stub = pb_grpc.AdminStub(self._channel)  # type: ignore[no-untyped-call]
+        metadata = (("authorization", f"Bearer {self.token}"),) if self.token else ()
+        try:
+            state: pb.State = await stub.GetState(pb.GetStateRequest(), metadata=metadata,
+                                                  timeout=self.within)
+        except grpc.aio.AioRpcError as exc:
+            # A fresh channel next time: a failed one waits out a growing reconnect backoff.
+            await self.close()
+            raise FetchError(self._why(exc.code(), clean(exc.details() or ""))) from None
+        return state
+
+    def _why(self, code: grpc.StatusCode, details: str) -> str:
+        name = self.name
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            return f"UNAUTHENTICATED: {_token_help(self.token)}"
+        if code == grpc.StatusCode.UNAVAILABLE:
+            refused = "refused" in details.lower()
+            return f"cannot reach {name}: " + ("connection refused" if refused else details)
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return f"{name} did not answer within {fmt_duration(self.within)}"
+        if code == grpc.StatusCode.UNIMPLEMENTED:
+            return f"UNIMPLEMENTED: {name} does not serve the extproc admin API (not its admin gRPC port?)"
+        return f"{code.name}: {details}".rstrip(": ")
+
+    async def close(self) -> None:
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            await channel.close()
 
 
 # ---------------------------------------------------------------------------------------------
-# The terminal.
-
-_ALT_ON, _ALT_OFF = "\x1b[?1049h", "\x1b[?1049l"
-_HIDE, _SHOW = "\x1b[?25l", "\x1b[?25h"
-_HOME, _CLEAR = "\x1b[H", "\x1b[2J"
+# The live view.
 
 
 def _size(stream: TextIO) -> tuple[int, int]:
     try:
         size = os.get_terminal_size(stream.fileno())
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
         size = shutil.get_terminal_size()
     return size.columns, size.lines
 
 
 @contextlib.contextmanager
-def _screen(out: TextIO, keys: int | None) -> Iterator[None]:
-    """The alternate screen with a hidden cursor and keys unbuffered; all undone on the way out."""
-    saved = None
-    if keys is not None:
-        saved = termios.tcgetattr(keys)
-        # cbreak, not raw: Ctrl-C still raises SIGINT, and output post-processing stays on.
-        tty.setcbreak(keys, termios.TCSANOW)
+def _cbreak(fd: int | None) -> Iterator[None]:
+    """Keys unbuffered while inside; the terminal's modes exactly as they were on the way out."""
+    if fd is None:
+        yield
+        return
+    saved = termios.tcgetattr(fd)
+    # cbreak, not raw: Ctrl-C still raises SIGINT, and output post-processing stays on.
+    tty.setcbreak(fd, termios.TCSANOW)
     try:
-        out.write(_ALT_ON + _HIDE + _CLEAR + _HOME)
-        out.flush()
         yield
     finally:
-        try:
-            # The terminal may be gone (a dropped SSH session): nothing left to restore then.
-            with contextlib.suppress(OSError):
-                out.write(_SHOW + _ALT_OFF)
-                out.flush()
-        finally:
-            if keys is not None and saved is not None:
-                # TCSAFLUSH drops keys typed while quitting instead of leaking them to the shell.
-                with contextlib.suppress(termios.error):
-                    termios.tcsetattr(keys, termios.TCSAFLUSH, saved)
+        # TCSAFLUSH drops keys typed while quitting instead of leaking them to the shell.
+        with contextlib.suppress(termios.error):
+            termios.tcsetattr(fd, termios.TCSAFLUSH, saved)
 
 
-def _draw(out: TextIO, frame: str, width: int, height: int, colour: bool) -> None:
-    lines = frame.split("\n")[:height]
-    lines += [""] * (height - len(lines))
-    # Padding every line to the full width overwrites the previous frame without a clear,
-    # so a redraw never flickers; no newline after the last line, so the screen never scrolls.
-    body = "\r\n".join(line.ljust(width) for line in lines)
-    out.write(_HOME + (paint(body) if colour else body))
-    out.flush()
-
-
-@dataclass
-class _Options:
-    url: str
-    name: str
-    token: str | None
-    interval: float
-    timeout: float
-    ascii: bool
-
-
-async def _live(opts: _Options, out: TextIO, keys: int | None) -> int:
+async def _live(source: Source, name: str, out: TextIO, keys: int | None, *, interval: float,
+                ascii: bool) -> int:
     loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    wake = asyncio.Event()
-    refresh = asyncio.Event()
-    exit_code = [0]
+    stop, now = asyncio.Event(), asyncio.Event()
+    exit_code = 0
+    console = make_console(out, colour=wants_colour(out), terminal=True)
+    view = View(None, source=name, ascii=ascii)
 
     def on_signal(signum: int) -> None:
+        nonlocal exit_code
         # Ctrl-C is how people leave a viewer: that is a clean exit, not a failure.
-        exit_code[0] = 0 if signum == signal.SIGINT else 128 + signum
+        exit_code = 0 if signum == signal.SIGINT else 128 + signum
         stop.set()
 
-    def on_key() -> None:
-        assert keys is not None
+    def on_key(fd: int) -> None:
         try:
-            data = os.read(keys, 64)
+            data = os.read(fd, 64)
         except OSError:
             data = b""
-        if not data:
-            loop.remove_reader(keys)
-        elif b"q" in data or b"Q" in data:
+        if not data:  # the terminal is gone: signals still end the view
+            loop.remove_reader(fd)
+        elif data[-1:] in b"qQ":
             stop.set()
-        elif b"r" in data or b" " in data:
-            refresh.set()
-            wake.set()
-        else:
-            wake.set()
-
-    handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    for sig in handled:
-        loop.add_signal_handler(sig, on_signal, sig)
-    loop.add_signal_handler(signal.SIGWINCH, wake.set)
-    colour = wants_colour(out)
-    state: dict[str, Any] = {}
-    previous: dict[str, Any] | None = None
-    error: str | None = None
+        elif data[-1:] in b"rR ":
+            now.set()
 
     def draw() -> None:
-        width, height = _size(out)
-        frame = render(state, width, height, previous, source=opts.name, error=error, ascii=opts.ascii)
-        _draw(out, frame, width, height, colour)
+        # The size from the terminal itself each time, never from a stale $COLUMNS.
+        console.size = _size(out)
+        live.update(view, refresh=True)
 
-    async def until(*events: asyncio.Event, within: float) -> None:
-        waiters = [asyncio.ensure_future(e.wait()) for e in events]
-        try:
-            await asyncio.wait(waiters, timeout=within, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for w in waiters:
-                w.cancel()
+    async def refresh() -> None:
+        while True:
+            started = loop.time()
+            try:
+                view.previous, view.state, view.error = view.state, await source.state(), None
+            except FetchError as exc:
+                view.error = f"{exc}; retrying every {interval:g}s"
+            draw()
+            now.clear()
+            # Sleep out the interval, or until a key asks for a fetch now.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(started + interval - loop.time(), 0)):
+                    await now.wait()
 
     try:
-        with _screen(out, keys):
+        with _cbreak(keys), Live(view, console=console, screen=True, auto_refresh=False,
+                                 redirect_stdout=False, redirect_stderr=False) as live:
+            # Handlers and the key reader go when asyncio.run closes the loop, after the terminal is restored.
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                loop.add_signal_handler(sig, on_signal, sig)
+            loop.add_signal_handler(signal.SIGWINCH, draw)
             if keys is not None:
-                loop.add_reader(keys, on_key)
+                loop.add_reader(keys, on_key, keys)
             draw()
-            async with aiohttp.ClientSession() as session:
-                while not stop.is_set():
-                    started = loop.time()
-                    fetch = asyncio.ensure_future(
-                        fetch_state(session, opts.url, opts.name, token=opts.token, within=opts.timeout))
-                    stopper = asyncio.ensure_future(stop.wait())
-                    try:
-                        await asyncio.wait((fetch, stopper), return_when=asyncio.FIRST_COMPLETED)
-                    finally:
-                        stopper.cancel()
-                    if not fetch.done():
-                        fetch.cancel()
-                        with contextlib.suppress(asyncio.CancelledError, FetchError):
-                            await fetch
-                        break
-                    try:
-                        new = fetch.result()
-                    except FetchError as exc:
-                        error = f"{exc}; retrying every {opts.interval:g}s"
-                    else:
-                        previous, state, error = state or None, new, None
-                    draw()
-                    refresh.clear()
-                    # Sleep out the interval, but redraw at once on a resize or a key.
-                    while not stop.is_set() and not refresh.is_set():
-                        remaining = started + opts.interval - loop.time()
-                        if remaining <= 0:
-                            break
-                        wake.clear()
-                        await until(stop, wake, within=remaining)
-                        if wake.is_set() and not stop.is_set():
-                            draw()
+            task = asyncio.ensure_future(refresh())
+            task.add_done_callback(lambda _: stop.set())  # a fault in it must end the view, not freeze it
+            await stop.wait()
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task  # raises what ended it, if not the cancel
+    except OSError:
+        # The terminal went away (a dropped SSH session) while quitting: nothing left to restore.
+        if not stop.is_set():
+            raise
     finally:
-        if keys is not None:
-            loop.remove_reader(keys)
-        for sig in (*handled, signal.SIGWINCH):
-            loop.remove_signal_handler(sig)
-    return exit_code[0]
+        await source.close()
+    return exit_code
 
 
 # ---------------------------------------------------------------------------------------------
@@ -857,9 +694,12 @@ def _width(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--http", default=env("ADMIN", DEFAULT_ADMIN), metavar="HOST:PORT",
-                        help=f"extproc's admin address, or an http(s):// URL (env {ADMIN_ENV}; "
-                        "default %(default)s)")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--http", default=env("ADMIN", DEFAULT_ADMIN), metavar="HOST:PORT",
+                       help=f"extproc's HTTP admin address, or an http(s):// URL (env {ADMIN_ENV}; "
+                       "default %(default)s)")
+    where.add_argument("--grpc", default=None, metavar="HOST:PORT",
+                       help="read the state from extproc's gRPC admin API instead (its --admin-grpc address)")
     token = parser.add_mutually_exclusive_group()
     token.add_argument("--token", default=None,
                        help=f"admin bearer token (better: env {TOKEN_ENV} or --token-file; ps shows flags)")
@@ -871,7 +711,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="give up on one fetch after this long (default %(default)s)")
     once = parser.add_mutually_exclusive_group()
     once.add_argument("--once", action="store_true", help="print one frame and exit (for scripts)")
-    once.add_argument("--json", action="store_true", help="print the raw state document once and exit")
+    once.add_argument("--json", action="store_true", help="print the state document once and exit")
     parser.add_argument("--width", type=_width, default=None, metavar="COLUMNS",
                         help="frame width for --once (default: the terminal's, or $COLUMNS, or 80)")
     parser.add_argument("--ascii", action="store_true",
@@ -879,10 +719,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _token(args: argparse.Namespace) -> str | None:
-    """--token, else --token-file, else EXTPROC_ADMIN_TOKEN.
-
-    Stripped: a token file, a mounted Secret or ``$(cat file)`` usually ends in a newline.
-    """
+    """--token, else --token-file, else EXTPROC_ADMIN_TOKEN; stripped (files usually end in a newline)."""
     if args.token is not None:
         return str(args.token).strip() or None
     if args.token_file:
@@ -890,47 +727,57 @@ def _token(args: argparse.Namespace) -> str | None:
     return os.environ.get(TOKEN_ENV, "").strip() or None
 
 
-async def _once(opts: _Options) -> dict[str, Any]:
-    async with aiohttp.ClientSession() as session:
-        return await fetch_state(session, opts.url, opts.name, token=opts.token, within=opts.timeout)
+def _source(args: argparse.Namespace, token: str | None) -> tuple[Source, str]:
+    if args.grpc:
+        name = str(Address.parse(args.grpc))
+        return GrpcSource(name, token, args.timeout), name
+    url, name = state_url(args.http)
+    return HttpSource(url, name, token, args.timeout), name
+
+
+async def _once(source: Source) -> pb.State:
+    try:
+        return await source.state()
+    finally:
+        await source.close()
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"extproc top: {message}", file=sys.stderr)
+    return code
 
 
 def command(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out if out is not None else sys.stdout
     try:
-        url, name = state_url(args.http)
-    except ValueError as exc:
-        print(f"extproc top: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    try:
         token = _token(args)
     except (OSError, ValueError) as exc:
-        print(f"extproc top: cannot read the admin token: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    opts = _Options(url=url, name=name, token=token, interval=args.interval, timeout=args.timeout,
-                    ascii=args.ascii or wants_ascii(out))
+        return _fail(f"cannot read the admin token: {exc}", EXIT_USAGE)
+    try:
+        source, name = _source(args, token)
+    except ValueError as exc:
+        return _fail(str(exc), EXIT_USAGE)
+    ascii = args.ascii or wants_ascii(out)
     if args.once or args.json:
         try:
-            state = asyncio.run(_once(opts))
+            state = asyncio.run(_once(source))
         except FetchError as exc:
-            print(f"extproc top: {exc}", file=sys.stderr)
-            return EXIT_FETCH
+            return _fail(str(exc), EXIT_FETCH)
         except KeyboardInterrupt:
             return 128 + signal.SIGINT
         if args.json:
-            out.write(json.dumps(state, indent=2) + "\n")
+            out.write(json.dumps(to_document(state), indent=2) + "\n")
             return 0
-        width = args.width or _size(out)[0]
+        width = max(args.width or _size(out)[0], _MIN_WIDTH)
+        colour = wants_colour(out)
         # A script wants the whole frame, however long; only the live view is cut to the screen.
-        frame = render(state, width, 1_000_000, source=name, ascii=opts.ascii)
-        out.write((paint(frame) if wants_colour(out) else frame) + "\n")
+        make_console(out, colour=colour, width=width).print(View(state, source=name, ascii=ascii))
         return 0
     if not out.isatty():
-        print("extproc top: the live view needs a terminal; use --once or --json in scripts", file=sys.stderr)
-        return EXIT_USAGE
+        return _fail("the live view needs a terminal; use --once or --json in scripts", EXIT_USAGE)
     keys = sys.stdin.fileno() if sys.stdin is not None and sys.stdin.isatty() else None
     try:
-        return asyncio.run(_live(opts, out, keys))
+        return asyncio.run(_live(source, name, out, keys, interval=args.interval, ascii=ascii))
     except KeyboardInterrupt:  # Ctrl-C before the loop took over SIGINT
         return 0
 
@@ -945,3 +792,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

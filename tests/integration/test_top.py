@@ -1,5 +1,6 @@
-"""`extproc top` against a real HTTP server on loopback: one frame, the raw document, and the live view
-driven through a pseudo-terminal and through tmux."""
+"""`extproc top` against real servers on loopback: a JSON state server, and `extproc serve` over its HTTP and
+gRPC admin ports; one frame, the state document, and the live view driven through a pseudo-terminal and
+through tmux."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ import httpx
 import pytest
 from aiohttp import web
 
+from extproc.api.admin.v1 import admin_pb2 as pb
+from extproc.api.document import from_document, to_document
 from extproc.localstack import free_port, stack
 from extproc.tools.top import EXIT_FETCH, EXIT_USAGE, add_arguments, command
 
@@ -39,10 +42,11 @@ LANES = ("interactive", "batch", "best-effort")
 
 
 def document(batch_inflight: int = 4) -> dict[str, Any]:
+    """The JSON an admin port serves (every field present, unset ones null), and a key from the future."""
     return {
         "version": 1, "time": NOW, "uptime_s": 3725.0, "draining": False, "shadow": False,
         "policy": {"file": "examples/policy.yaml", "sha256": "0123456789abcdef", "loaded_at": NOW - 60,
-                   "reloads_ok": 1, "reloads_failed": 0, "last_error": None},
+                   "reloads_ok": 1, "reloads_failed": 0, "last_error": [], "stale_since": None},
         "capacity": {"limit": 16, "inflight": 6 + batch_inflight, "queued": 7},
         "window_s": 60,
         "lanes": [
@@ -59,9 +63,12 @@ def document(batch_inflight: int = 4) -> dict[str, Any]:
              "retired": False, "shed": "kueue-backlog", "wait_p50_s": None, "wait_p95_s": None,
              "admit_per_s": 0.0, "reject_per_s": 3.0, "shadow_reject_per_s": 0.0, "rejections": {"shed": 90}},
         ],
-        "signals": [{"name": "kueue_pending", "value": 12.0, "age_s": 1.5, "stale": False, "error": None}],
+        "signals": [{"name": "kueue_pending", "source": "prometheus", "kind": "gauge", "value": 12.0,
+                     "age_s": 1.5, "stale": False, "error": None}],
         "saturation": [{"rule": "kueue-backlog", "signal": "kueue_pending", "active": True, "since": NOW - 30,
-                        "shed": ["best-effort"], "shrink": {"batch": 0.5}}],
+                        "value": None, "stale": False, "error": None, "shed": ["best-effort"],
+                        "shrink": {"batch": 0.5}}],
+        "tenants": [{"name": "acme", "weight": 2.0, "queued": 7, "queued_by_lane": {"batch": 7}}],
         "a_future_key": {"ignored": True},
     }
 
@@ -73,7 +80,7 @@ class StateServer:
         self.token = token
         self.port = port
         self.state: dict[str, Any] = document()
-        #: "ok", or how to misbehave: "500", "html", "list", "slow".
+        #: "ok", or how to misbehave: "500", "html", "list", "slow", "mistyped".
         self.mode = "ok"
         self.requests = 0
         self.loop = asyncio.new_event_loop()
@@ -90,6 +97,8 @@ class StateServer:
             return web.Response(text="<html>a login page</html>", content_type="text/html")
         if self.mode == "list":
             return web.json_response([1, 2, 3])
+        if self.mode == "mistyped":
+            return web.json_response({**self.state, "capacity": {"limit": "sixteen"}})
         if self.mode == "slow":
             await asyncio.sleep(2)
         return web.json_response(self.state)
@@ -139,7 +148,7 @@ def guarded() -> Iterator[StateServer]:
 
 @pytest.fixture(autouse=True)
 def _no_ambient_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("EXTPROC_ADMIN", "EXTPROC_ADMIN_TOKEN", "EXTPROC_ADMIN_TOKEN_FILE", "NO_COLOR"):
+    for name in ("EXTPROC_ADMIN", "EXTPROC_ADMIN_TOKEN", "EXTPROC_ADMIN_TOKEN_FILE", "NO_COLOR", "COLUMNS"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -153,7 +162,7 @@ def run_top(*argv: str, out: io.TextIOBase | None = None) -> tuple[int, str]:
     return code, ""
 
 
-# --- one frame, the raw document ------------------------------------------------------------------
+# --- one frame, the state document ----------------------------------------------------------------
 
 
 def test_once_prints_one_whole_frame(server: StateServer, capsys: pytest.CaptureFixture[str]) -> None:
@@ -162,15 +171,16 @@ def test_once_prints_one_whole_frame(server: StateServer, capsys: pytest.Capture
     assert capsys.readouterr().err == ""
     lines = text.rstrip("\n").split("\n")
     assert all(len(line) <= 80 for line in lines)
-    assert "\x1b" not in text
+    assert "\x1b" not in text  # not a terminal: plain text
     assert lines[0].startswith(f"extproc top  {server.address}  up 1h02m")
     assert "policy examples/policy.yaml @01234567  reloads 1 ok, 0 failed  loaded 1m00s ago" in text
-    assert re.search(r"^interactive +█+·+ +6/8 +·+ +0/100 +4\.0ms/250ms +20\.5 +0$", text, re.MULTILINE)
+    assert re.search(r"^interactive +█+·+ +6/8 +·+ +0/100 +4\.0ms/250ms +20\.5 +0", text, re.MULTILINE)
     assert re.search(r"^batch +█+ +4/4 +█+·+ +7/50 +2\.50s/31\.0s +1\.5 +0\.25  LIMIT 8→4$", text,
                      re.MULTILINE)
-    assert re.search(r"^best-effort .*–/– +0 +3\.0", text, re.MULTILINE)
-    assert "SHED kueue-backlog" in text
+    # The status words wrap in their column rather than push the line past 80 columns.
+    assert re.search(r"^best-effort .*–/– +0 +3\.0  SHED\n {60,}kueue-backlog$", text, re.MULTILINE)
     assert "kueue-backlog  ACTIVE 30.0s  kueue_pending  shed best-effort  shrink batch×0.5" in text
+    assert re.search(r"^  acme +weight 2  queued 7  batch 7$", text, re.MULTILINE)
     # --once is for scripts: nothing is cut to a screen's height.
     assert "more line" not in text
     assert server.requests == 1
@@ -187,10 +197,13 @@ def test_once_in_ascii_for_a_terminal_that_cannot_show_unicode(server: StateServ
     assert "LIMIT 8->4" in text
 
 
-def test_json_prints_the_raw_document(server: StateServer) -> None:
+def test_json_prints_the_state_document(server: StateServer) -> None:
     code, text = run_top("--http", f"http://{server.address}", "--json")
     assert code == 0
-    assert json.loads(text) == server.state
+    printed = json.loads(text)
+    assert printed == to_document(from_document(server.state, pb.State))
+    assert printed["lanes"][2]["shed"] == "kueue-backlog"
+    assert "a_future_key" not in printed  # what this top does not know, it does not pass on
 
 
 def test_a_token_is_sent_as_a_bearer_header(guarded: StateServer, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -225,7 +238,7 @@ def test_an_unreadable_or_empty_token_file_is_a_usage_error(tmp_path: Path,
     assert code == EXIT_USAGE
     assert capsys.readouterr().err == (f"extproc top: cannot read the admin token: the token file {empty} "
                                        "is empty\n")
-    code, _ = run_top("--http", "127.0.0.1:1", "--once", "--token-file", str(tmp_path / "missing"))
+    code, _ = run_top("--grpc", "127.0.0.1:1", "--once", "--token-file", str(tmp_path / "missing"))
     assert code == EXIT_USAGE
     assert "cannot read the admin token: [Errno 2] No such file or directory" in capsys.readouterr().err
 
@@ -242,8 +255,7 @@ def test_a_wrong_token_is_reported_as_rejected_and_not_echoed(guarded: StateServ
                                                               capsys: pytest.CaptureFixture[str]) -> None:
     code, _ = run_top("--http", guarded.address, "--json", "--token", "wrong-token")
     assert code == EXIT_FETCH
-    err = capsys.readouterr().err
-    assert err == "extproc top: 401: token rejected\n"
+    assert capsys.readouterr().err == "extproc top: 401: token rejected\n"
 
 
 def test_nothing_listening_is_connection_refused(capsys: pytest.CaptureFixture[str]) -> None:
@@ -257,6 +269,7 @@ def test_nothing_listening_is_connection_refused(capsys: pytest.CaptureFixture[s
     ("500", "500: state unavailable: store is gone"),
     ("html", "did not answer with a JSON object: not a state document"),
     ("list", "did not answer with a JSON object: not a state document"),
+    ("mistyped", "sent a state this top cannot read: "),
     ("slow", "did not answer within 200ms"),
 ])
 def test_a_server_that_misbehaves_is_reported(server: StateServer, capsys: pytest.CaptureFixture[str],
@@ -265,8 +278,11 @@ def test_a_server_that_misbehaves_is_reported(server: StateServer, capsys: pytes
     code, text = run_top("--http", server.address, "--once", "--timeout", "0.2")
     assert (code, text) == (EXIT_FETCH, "")
     err = capsys.readouterr().err
-    assert err.startswith("extproc top: ")
+    assert err.startswith(f"extproc top: {server.address} " if mode in ("html", "list", "mistyped", "slow")
+                          else "extproc top: ")
     assert message in err
+    if mode == "mistyped":
+        assert "limit" in err
 
 
 def test_a_port_without_the_endpoint_is_a_404_that_says_so(server: StateServer,
@@ -277,18 +293,20 @@ def test_a_port_without_the_endpoint_is_a_404_that_says_so(server: StateServer,
                                        "admin port, or an extproc without it)\n")
 
 
-def test_an_unparseable_address_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
-    code, _ = run_top("--http", "localhost", "--once")
+@pytest.mark.parametrize("flag", ["--http", "--grpc"])
+def test_an_unparseable_address_is_a_usage_error(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _ = run_top(flag, "localhost", "--once")
     assert code == EXIT_USAGE
     assert "expected HOST:PORT" in capsys.readouterr().err
 
 
-def test_bad_numbers_are_refused_by_the_parser(capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_numbers_and_flag_clashes_are_refused_by_the_parser(capsys: pytest.CaptureFixture[str]) -> None:
     for argv in (["--interval", "0"], ["--interval", "soon"], ["--timeout", "nan"], ["--width", "5"],
-                 ["--token", "a", "--token-file", "b"], ["--once", "--json"]):
+                 ["--token", "a", "--token-file", "b"], ["--once", "--json"],
+                 ["--http", "127.0.0.1:1", "--grpc", "127.0.0.1:2"]):
         with pytest.raises(SystemExit) as exc:
             run_top("--once", *argv)
-        assert exc.value.code == 2
+        assert exc.value.code == EXIT_USAGE
         assert re.search(r"expected|not allowed with", capsys.readouterr().err)
 
 
@@ -299,49 +317,96 @@ def test_the_live_view_needs_a_terminal(server: StateServer, capsys: pytest.Capt
     assert server.requests == 0
 
 
-# --- against the real admin port of `extproc serve` ----------------------------------------------
+def test_grpc_nothing_listening_is_connection_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    port = free_port()
+    code, text = run_top("--grpc", f"127.0.0.1:{port}", "--json", "--timeout", "2")
+    assert (code, text) == (EXIT_FETCH, "")
+    assert capsys.readouterr().err == f"extproc top: cannot reach 127.0.0.1:{port}: connection refused\n"
 
 
-@pytest.fixture
-def extproc(tmp_path: Path) -> Iterator[str]:
-    """A real extproc with the example policy and a token on its admin port; its admin address."""
-    token_file = tmp_path / "admin-token"
+# --- against the real admin ports of `extproc serve` --------------------------------------------
+
+
+class Extproc:
+    """A real extproc with the example policy and a token on both admin ports."""
+
+    def __init__(self, http: str, grpc: str) -> None:
+        self.http, self.grpc = http, grpc
+
+    def post(self, path: str) -> None:
+        httpx.post(f"http://{self.http}{path}", headers={"Authorization": f"Bearer {TOKEN}"},
+                   timeout=5).raise_for_status()
+
+
+@pytest.fixture(scope="module")
+def extproc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Extproc]:
+    workdir = tmp_path_factory.mktemp("extproc")
+    token_file = workdir / "admin-token"
     token_file.write_text(TOKEN + "\n")
-    admin = free_port()
-    with stack(tmp_path) as s:
+    admin, admin_grpc = free_port(), free_port()
+    with stack(workdir) as s:
         s.extproc(ROOT / "examples" / "policy.yaml", free_port(), free_port(), "--admin-token-file",
-                  str(token_file), admin=admin)
-        yield f"127.0.0.1:{admin}"
+                  str(token_file), admin=admin, admin_grpc=admin_grpc)
+        yield Extproc(f"127.0.0.1:{admin}", f"127.0.0.1:{admin_grpc}")
 
 
-def test_the_real_admin_port_renders_and_shows_operator_actions(
-        extproc: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    code, _ = run_top("--http", extproc, "--once")
+@pytest.mark.parametrize("flag", ["--http", "--grpc"])
+def test_the_real_admin_ports_require_the_token(extproc: Extproc, flag: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    address = extproc.http if flag == "--http" else extproc.grpc
+    code, _ = run_top(flag, address, "--once")
     assert code == EXIT_FETCH
-    assert "401: token required" in capsys.readouterr().err
+    assert capsys.readouterr().err == (
+        "extproc top: " + ("401" if flag == "--http" else "UNAUTHENTICATED")
+        + ": token required (EXTPROC_ADMIN_TOKEN, --token-file or --token)\n")
+    code, _ = run_top(flag, address, "--json", "--token", "wrong-token")
+    assert code == EXIT_FETCH
+    assert "token rejected" in capsys.readouterr().err
 
+
+def test_grpc_reads_the_same_state_as_http(extproc: Extproc, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EXTPROC_ADMIN_TOKEN", TOKEN)
-    code, text = run_top("--http", extproc, "--json")
+    code, over_http = run_top("--http", extproc.http, "--json")
     assert code == 0
-    lanes = [lane["name"] for lane in json.loads(text)["lanes"]]
-    assert set(lanes) >= set(LANES)
+    code, over_grpc = run_top("--grpc", extproc.grpc, "--json")
+    assert code == 0
+    by_http, by_grpc = json.loads(over_http), json.loads(over_grpc)
+    names = [lane["name"] for lane in by_grpc["lanes"]]
+    assert set(names) >= set(LANES)
+    assert names == [lane["name"] for lane in by_http["lanes"]]
+    assert by_grpc["version"] == 1
+    assert by_grpc["policy"]["sha256"] == by_http["policy"]["sha256"]
 
-    auth = {"Authorization": f"Bearer {TOKEN}"}
-    httpx.post(f"http://{extproc}/admin/drain", headers=auth, timeout=5).raise_for_status()
-    httpx.post(f"http://{extproc}/admin/lanes/batch/pause", headers=auth, timeout=5).raise_for_status()
-    code, text = run_top("--http", extproc, "--once", "--width", "80")
+    code, text = run_top("--grpc", extproc.grpc, "--once", "--width", "80")
     assert code == 0
     lines = text.rstrip("\n").split("\n")
-    assert all(len(line) <= 80 for line in lines)
-    assert lines[0].startswith(f"extproc top  {extproc}  up ")
-    assert lines[0].endswith("DRAINING")
-    assert re.search(r"^policy \S*policy\.yaml @[0-9a-f]{8}  reloads 0 ok, 0 failed  loaded ", lines[1])
-    assert not any(line.startswith("!") for line in lines)
-    for name in lanes:
+    assert lines[0].startswith(f"extproc top  {extproc.grpc}  up ")
+    for name in names:
         assert any(line.startswith(name + " ") for line in lines), name
-    batch = next(i for i, line in enumerate(lines) if line.startswith("batch "))
-    assert "PAUSED" in lines[batch] + lines[batch + 1]
-    assert re.search(r"^interactive .* 0/\d+ .* –/– +0 +0", text, re.MULTILINE)
+
+
+def test_the_real_admin_ports_render_operator_actions(extproc: Extproc,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EXTPROC_ADMIN_TOKEN", TOKEN)
+    extproc.post("/admin/drain")
+    extproc.post("/admin/lanes/batch/pause")
+    try:
+        for flag, address in (("--http", extproc.http), ("--grpc", extproc.grpc)):
+            code, text = run_top(flag, address, "--once", "--width", "80")
+            assert code == 0
+            lines = text.rstrip("\n").split("\n")
+            assert all(len(line) <= 80 for line in lines)
+            assert lines[0].startswith(f"extproc top  {address}  up ")
+            assert lines[0].endswith("DRAINING")
+            assert re.search(r"^policy \S*policy\.yaml @[0-9a-f]{8}  reloads 0 ok, 0 failed  loaded ",
+                             lines[1])
+            assert not any(line.startswith("!") for line in lines)
+            batch = next(line for line in lines if line.startswith("batch "))
+            assert batch.endswith("PAUSED")
+            assert re.search(r"^interactive .* 0/\d+ .* –/– +0 +0$", text, re.MULTILINE)
+    finally:
+        extproc.post("/admin/undrain")
+        extproc.post("/admin/lanes/batch/resume")
 
 
 # --- the live view in a pseudo-terminal -----------------------------------------------------------
@@ -353,17 +418,19 @@ ALT_ON, ALT_OFF, HOME = b"\x1b[?1049h", b"\x1b[?1049l", b"\x1b[H"
 class Terminal:
     """`python -m extproc.tools.top` on a pseudo-terminal of a given size; the test reads what it draws."""
 
-    def __init__(self, *args: str, cols: int = 80, rows: int = 24, colour: bool = False) -> None:
+    def __init__(self, *args: str, cols: int = 80, rows: int = 24, colour: bool = False,
+                 env: dict[str, str] | None = None) -> None:
         self.cols, self.rows = cols, rows
         self.master, self.slave = os.openpty()
         self.resize(cols, rows)
         self.modes = termios.tcgetattr(self.slave)
-        env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "EXTPROC_ADMIN_TOKEN")}
-        env.update(TERM="xterm-256color", LANG="C.UTF-8", PYTHONUNBUFFERED="1")
+        environ = {k: v for k, v in os.environ.items()
+                   if k not in ("NO_COLOR", "EXTPROC_ADMIN_TOKEN", "COLUMNS", "LINES")}
+        environ.update(TERM="xterm-256color", LANG="C.UTF-8", PYTHONUNBUFFERED="1", **(env or {}))
         if not colour:
-            env["NO_COLOR"] = "1"
-        self.proc = subprocess.Popen([sys.executable, "-m", "extproc.tools.top", *args], cwd=ROOT, env=env,
-                                     stdin=self.slave, stdout=self.slave, stderr=self.slave,
+            environ["NO_COLOR"] = "1"
+        self.proc = subprocess.Popen([sys.executable, "-m", "extproc.tools.top", *args], cwd=ROOT,
+                                     env=environ, stdin=self.slave, stdout=self.slave, stderr=self.slave,
                                      start_new_session=True)
         self.output = bytearray()
 
@@ -380,7 +447,7 @@ class Terminal:
         """The last complete frame drawn at the current size: its lines, colour codes removed."""
         for chunk in reversed(bytes(self.output).split(HOME)[1:]):
             text = SGR.sub(b"", chunk).decode("utf-8", "replace")
-            # The terminal's own output processing turns the frame's \r\n into \r\r\n.
+            # The terminal's own output processing turns the frame's \n into \r\n.
             lines = [line.rstrip("\r") for line in text.split("\n")]
             if len(lines) >= self.rows and len(lines[self.rows - 1]) >= self.cols:
                 return lines[: self.rows]
@@ -463,6 +530,12 @@ def test_live_view_shows_the_error_and_keeps_retrying(terminal: Callable[..., Te
     try:
         frame = t.wait_for(has(*LANES))
         assert not any(line.startswith("!") for line in frame)
+        # A state this top cannot read is an error too, shown above the last good one.
+        late.mode = "mistyped"
+        frame = t.wait_for(has(f"! 127.0.0.1:{port} sent a state this top cannot read: "))
+        assert any(line.startswith("batch ") for line in frame)
+        late.mode = "ok"
+        t.wait_for(lambda f: not any(line.startswith("!") for line in f))
         # Gone again: the error comes back above the last state it had.
         late.stop()
         frame = t.wait_for(has(f"cannot reach 127.0.0.1:{port}", "(showing the state of"))
@@ -485,8 +558,9 @@ def test_live_view_asks_for_a_token_in_the_frame(guarded: StateServer,
 
 def test_live_view_redraws_at_once_when_the_window_is_resized(server: StateServer,
                                                               terminal: Callable[..., Terminal]) -> None:
-    # An interval far beyond the test: any redraw seen comes from the resize, not the clock.
-    t = terminal("--http", server.address, "--interval", "600")
+    # An interval far beyond the test: any redraw seen comes from the resize, not the clock. A
+    # stale $COLUMNS must not pin the width either.
+    t = terminal("--http", server.address, "--interval", "600", env={"COLUMNS": "80"})
     t.wait_for(has(*LANES))
     t.resize(120, 30)
     os.kill(t.proc.pid, signal.SIGWINCH)  # the kernel sends it only to a terminal's foreground group
@@ -497,26 +571,38 @@ def test_live_view_redraws_at_once_when_the_window_is_resized(server: StateServe
     assert t.exit_code() == 0
 
 
-def test_r_fetches_at_once_instead_of_waiting_for_the_interval(server: StateServer,
-                                                               terminal: Callable[..., Terminal]) -> None:
+@pytest.mark.parametrize("key", [b"r", b" "])
+def test_r_or_space_fetches_at_once_instead_of_waiting_for_the_interval(
+        server: StateServer, terminal: Callable[..., Terminal], key: bytes) -> None:
     t = terminal("--http", server.address, "--interval", "600")
     t.wait_for(has(*LANES))
     server.state = document(batch_inflight=1)
-    t.send(b"r")
+    t.send(key)
     t.wait_for(lambda f: any(re.search(r"^batch +█+·+ +1/4 ", line) for line in f))
     assert server.requests == 2
     t.send(b"q")
     assert t.exit_code() == 0
 
 
-@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 0), (signal.SIGTERM, 128 + signal.SIGTERM)])
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 0), (signal.SIGTERM, 128 + signal.SIGTERM),
+                                           (signal.SIGHUP, 128 + signal.SIGHUP)])
 def test_live_view_restores_the_terminal_on_a_signal(server: StateServer, terminal: Callable[..., Terminal],
                                                      sig: signal.Signals, code: int) -> None:
     t = terminal("--http", server.address, "--interval", "0.2", colour=True)
     t.wait_for(has(*LANES))
-    assert b"\x1b[1mextproc top" in t.output  # colour on a terminal when NO_COLOR is unset
+    assert re.search(rb"\x1b\[1mextproc top", t.output)  # colour on a terminal when NO_COLOR is unset
+    assert re.search(rb"\x1b\[31mACTIVE", t.output)
     t.proc.send_signal(sig)
     assert t.exit_code() == code
+    assert_restored(t)
+
+
+def test_live_view_over_grpc(extproc: Extproc, terminal: Callable[..., Terminal]) -> None:
+    t = terminal("--grpc", extproc.grpc, "--interval", "0.2", env={"EXTPROC_ADMIN_TOKEN": TOKEN})
+    frame = t.wait_for(has(*LANES))
+    assert frame[0].startswith(f"extproc top  {extproc.grpc}  up ")
+    t.send(b"q")
+    assert t.exit_code() == 0
     assert_restored(t)
 
 
@@ -576,7 +662,7 @@ def test_in_tmux_80x24_every_lane_is_readable_and_quitting_restores_the_screen(
     assert screen[0].startswith(f"extproc top  {server.address}  up 1h02m")
     assert any(re.search(r"^interactive +█+·+ +6/8 +·+ +0/100 +4\.0ms/250ms +20\.5 +0$", line)
                for line in screen)
-    assert any(re.search(r"^best-effort .* 3\.0$", line) for line in screen)
+    assert any(re.search(r"^best-effort .* 3\.0  SHED$", line) for line in screen)
     server.state = document(batch_inflight=3)
     tmux.wait_for(lambda s: any(re.search(r"^batch +█+·+ +3/4 ", line) for line in s))
     tmux("send-keys", "-t", "top", key)

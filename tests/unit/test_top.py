@@ -1,25 +1,29 @@
-"""Frames of `extproc top`, rendered from state documents without a socket or a terminal."""
+"""Frames of `extproc top`, rendered from admin API State messages without a socket or a terminal."""
 
 from __future__ import annotations
 
-import copy
 import io
+import json
 import re
 import time
 from typing import Any
 
 import pytest
+from rich.cells import cell_len
 
+from extproc.admin import STATE_VERSION
+from extproc.api.admin.v1 import admin_pb2 as pb
+from extproc.api.document import to_document
 from extproc.tools.top import (
     ASCII,
+    READS_VERSION,
+    FetchError,
     bar,
     clean,
-    fit,
-    fmt_count,
     fmt_duration,
     fmt_rate,
     fmt_value,
-    paint,
+    parse_state,
     render,
     state_url,
     wants_ascii,
@@ -27,30 +31,25 @@ from extproc.tools.top import (
 )
 
 NOW = 1764680000.0
+SGR = re.compile(r"\x1b\[[0-9;]*m")
 
 
-def lane(name: str, **fields: Any) -> dict[str, Any]:
-    doc: dict[str, Any] = {
-        "name": name, "priority": 0, "inflight": 0, "limit": 4, "effective_limit": 4, "borrowed": 0,
-        "queued": 0, "max_queued": 10, "paused": False, "closed": False, "shadow": False, "retired": False,
-        "shed": None, "wait_p50_s": None, "wait_p95_s": None, "admit_per_s": 0.0, "reject_per_s": 0.0,
-        "shadow_reject_per_s": 0.0, "rejections": {},
-    }
-    doc.update(fields)
-    return doc
+def lane(name: str, **fields: Any) -> pb.Lane:
+    values: dict[str, Any] = {"name": name, "limit": 4, "effective_limit": 4, "max_queued": 10}
+    values.update(fields)
+    return pb.Lane(**values)
 
 
-def realistic() -> dict[str, Any]:
+def realistic() -> pb.State:
     """A busy extproc: five lanes in every state, one saturation rule firing, a stale signal."""
-    return {
-        "version": 1, "time": NOW + 0.1, "uptime_s": 123.4, "draining": False, "shadow": False,
-        "policy": {"file": "examples/policy.yaml", "sha256": "ab12cd34ef567890", "loaded_at": NOW - 300,
-                   "reloads_ok": 2, "reloads_failed": 1, "stale_since": NOW - 90,
-                   "last_error": ["policy.yaml:3: lanes[0].x: extra inputs are not permitted",
-                                  "policy.yaml:9: lanes[1].deadline: expected a duration"]},
-        "capacity": {"limit": 64, "inflight": 12, "queued": 120},
-        "window_s": 60,
-        "lanes": [
+    return pb.State(
+        version=1, time=NOW + 0.1, uptime_s=123.4, window_s=60,
+        policy=pb.Policy(file="examples/policy.yaml", sha256="ab12cd34ef567890", loaded_at=NOW - 300,
+                         reloads_ok=2, reloads_failed=1, stale_since=NOW - 90,
+                         last_error=["policy.yaml:3: lanes[0].x: extra inputs are not permitted",
+                                     "policy.yaml:9: lanes[1].deadline: expected a duration"]),
+        capacity=pb.Capacity(limit=64, inflight=12, queued=120),
+        lanes=[
             lane("interactive", priority=100, inflight=3, limit=50, effective_limit=50, max_queued=200,
                  wait_p50_s=0.01, wait_p95_s=0.2, admit_per_s=12.3, reject_per_s=0.5,
                  rejections={"queue_full": 10, "deadline": 2}),
@@ -59,21 +58,20 @@ def realistic() -> dict[str, Any]:
                  rejections={"queue_full": 130}),
             lane("best-effort", inflight=1, shed="kueue-backlog", reject_per_s=7.5, rejections={"shed": 400}),
             lane("experimental", paused=True, shadow=True, shadow_reject_per_s=1.2, max_queued=0),
-            lane("legacy", retired=True, closed=True, max_queued=0),
+            lane("legacy", retired=True, closed=True, limit=0, effective_limit=0, max_queued=0),
         ],
-        "signals": [
-            {"name": "kueue_pending", "value": 3.0, "age_s": 2.1, "stale": False, "error": None},
-            {"name": "vllm_kv_usage", "value": 0.9312, "age_s": 45.0, "stale": True,
-             "error": "connection refused"},
-            {"name": "queue_wait_p95", "value": None, "age_s": None, "stale": True, "error": None},
+        signals=[
+            pb.Signal(name="kueue_pending", value=3.0, age_s=2.1),
+            pb.Signal(name="vllm_kv_usage", value=0.9312, age_s=45.0, stale=True, error="connection refused"),
+            pb.Signal(name="queue_wait_p95", stale=True),
         ],
-        "saturation": [
-            {"rule": "kueue-backlog", "signal": "kueue_pending", "active": True, "since": NOW - 75,
-             "shed": ["best-effort"], "shrink": {"batch": 0.5}},
-            {"rule": "kv-pressure", "signal": "vllm_kv_usage", "active": False, "since": None, "shed": [],
-             "shrink": {}},
+        saturation=[
+            pb.SaturationRule(rule="kueue-backlog", signal="kueue_pending", active=True, since=NOW - 75,
+                              shed=["best-effort"], shrink={"batch": 0.5}),
+            pb.SaturationRule(rule="kv-pressure", signal="vllm_kv_usage"),
         ],
-    }
+        tenants=[pb.Tenant(name="acme", weight=2, queued=0), pb.Tenant(name="globex", weight=1)],
+    )
 
 
 LANES = ("interactive", "batch", "best-effort", "experimental", "legacy")
@@ -90,16 +88,26 @@ def row(frame: str, name: str) -> str:
     return rows[0]
 
 
-def after(frame: str, name: str) -> str:
-    """The line right after a lane's row: where flags go when they do not fit beside it."""
+def status_of(frame: str, name: str) -> str:
+    """A lane's status words: the FLAGS column of its row and of the lines it wraps onto."""
     lines = lines_of(frame)
-    return lines[lines.index(row(frame, name)) + 1]
+    start = lines.index(row(frame, name))
+    head = next(line for line in lines if line.startswith("LANE"))
+    column = head.find("FLAGS")
+    assert column > 0, frame
+    words = [lines[start][column:]]
+    for line in lines[start + 1:]:
+        if line[:column].strip() or not line.strip():
+            break
+        words.append(line[column:])
+    return " ".join(w.strip() for w in words)
 
 
-def assert_fits(frame: str, width: int, height: int) -> None:
+def assert_fits(frame: str, width: int, height: int | None = None) -> None:
     lines = lines_of(frame)
-    assert len(lines) <= height, f"{len(lines)} lines > {height}:\n{frame}"
-    too_long = [line for line in lines if len(line) > width]
+    if height is not None:
+        assert len(lines) <= height, f"{len(lines)} lines > {height}:\n{frame}"
+    too_long = [line for line in lines if cell_len(line) > width]
     assert not too_long, f"lines wider than {width}: {too_long}"
     assert "\x1b" not in frame
     assert all(c == "\n" or c.isprintable() for c in frame)
@@ -117,28 +125,23 @@ def test_wide_frame_shows_the_header_every_lane_and_every_section() -> None:
     assert "policy examples/policy.yaml @ab12cd34  reloads 2 ok, 1 failed  loaded 5m00s ago" in frame
     assert ("! file invalid for 1m30s, old policy kept: policy.yaml:3: lanes[0].x: extra inputs are not "
             "permitted (+1 more)") in frame
-    assert "12/64 in flight  120 queued  rates over 1m00s" in frame
+    assert re.search(r"^capacity █+·+  12/64 in flight  120 queued  rates over 1m00s$", frame, re.MULTILINE)
     head = next(line for line in lines_of(frame) if line.startswith("LANE"))
-    for label in ("IN FLIGHT", "QUEUED", "WAIT p50/p95", "ADM/s", "REJ/s", "FLAGS"):
-        assert label in head
+    assert re.fullmatch(r"LANE +IN FLIGHT +QUEUED +WAIT p50/p95 +ADM/s +REJ/s +FLAGS", head)
 
     interactive = row(frame, "interactive")
-    assert re.search(r"█·+ 3/50 ", interactive), interactive
-    assert re.search(r"·+ +0/200 ", interactive), interactive
-    assert re.search(r"10ms/200ms +12\.3 +0\.50$", interactive), interactive
+    assert re.search(r"█·+ 3/50 +·+ +0/200 +10ms/200ms +12\.3 +0\.50$", interactive), interactive
     batch = row(frame, "batch")
     # 8 in flight against a limit shrunk to 5 (3 of them borrowed): a full bar, and why.
-    assert re.search(r"█+ +8/5 ", batch), batch
-    assert "·" not in batch.split("8/5")[0], batch
-    assert re.search(r"█+·+ 120/200 ", batch), batch
-    assert "1.50s/12.8s" in batch
-    assert batch.endswith("LIMIT 10→5, BORROW 3")
+    assert re.search(r"^batch +█+ +8/5 +█+·+ 120/200 +1\.50s/12\.8s +3\.2 +4\.0 +LIMIT 10→5, BORROW 3$",
+                     batch)
     assert row(frame, "best-effort").endswith("SHED kueue-backlog")
     assert "–/–" in row(frame, "best-effort")
     assert row(frame, "experimental").endswith("PAUSED, SHADOW, would reject 1.2/s")
     assert row(frame, "legacy").endswith("CLOSED, RETIRED")
 
-    assert "  kueue-backlog  ACTIVE 1m15s  kueue_pending  shed best-effort  shrink batch×0.5" in frame
+    assert re.search(r"^  kueue-backlog  ACTIVE 1m15s  kueue_pending  shed best-effort  shrink batch×0\.5$",
+                     frame, re.MULTILINE)
     assert re.search(r"^  kv-pressure +idle +vllm_kv_usage$", frame, re.MULTILINE)
     assert re.search(r"^  kueue_pending +3  2\.10s ago$", frame, re.MULTILINE)
     assert re.search(r"^  vllm_kv_usage +0\.9312  45\.0s ago +STALE  error: connection refused$", frame,
@@ -146,16 +149,30 @@ def test_wide_frame_shows_the_header_every_lane_and_every_section() -> None:
     assert re.search(r"^  queue_wait_p95 +–  never read +STALE$", frame, re.MULTILINE)
     assert re.search(r"^  batch +queue_full 130$", frame, re.MULTILINE)
     assert re.search(r"^  interactive +queue_full 10  deadline 2$", frame, re.MULTILINE)
+    assert "TENANTS" not in frame  # nobody waits: nothing to share out
 
 
 def test_a_saturation_rule_shows_its_reading_and_why_it_cannot_judge() -> None:
     state = realistic()
-    state["saturation"][0].update(value=42.0, stale=False, error=None)
-    state["saturation"][1].update(value=None, stale=True, error="prometheus: connection refused")
+    state.saturation[0].value = 42.0
+    state.saturation[1].stale = True
+    state.saturation[1].error = "prometheus: connection refused"
     frame = render(state, 120, 60)
     assert "  kueue-backlog  ACTIVE 1m15s  kueue_pending=42  shed best-effort  shrink batch×0.5" in frame
-    assert re.search(r"^  kv-pressure +idle +vllm_kv_usage  STALE  error: prometheus: connection refused$",
+    assert re.search(r"^  kv-pressure +idle +vllm_kv_usage +STALE  error: prometheus: connection refused$",
                      frame, re.MULTILINE)
+
+
+def test_tenants_are_shown_while_one_has_requests_queued() -> None:
+    state = realistic()
+    state.tenants[1].queued = 7
+    state.tenants[1].queued_by_lane.update({"batch": 5, "interactive": 2})
+    state.tenants.append(pb.Tenant(name="initech", weight=0.5, queued=9, queued_by_lane={"batch": 9}))
+    frame = render(state, 120, 60)
+    section = lines_of(frame)[lines_of(frame).index("TENANTS") + 1:]
+    assert re.match(r"^  initech +weight 0\.5  queued 9  batch 9$", section[0])
+    assert re.match(r"^  globex +weight 1 +queued 7  batch 5, interactive 2$", section[1])
+    assert re.match(r"^  acme +weight 2 +queued 0$", section[2])
 
 
 def test_bars_are_proportional_and_never_hide_a_small_nonzero_count() -> None:
@@ -164,7 +181,7 @@ def test_bars_are_proportional_and_never_hide_a_small_nonzero_count() -> None:
     assert bar(199, 200, 10) == "█" * 9 + "·"
     assert bar(5, 10, 10) == "█" * 5 + "·" * 5
     assert bar(12, 10, 4) == "████"
-    assert bar(3, 0, 4) == bar(3, None, 4) == bar(None, 5, 4) == "····"
+    assert bar(3, 0, 4) == "····"
     assert bar(1, 2, 0) == ""
     assert bar(1, 2, 4, ASCII) == "##.."
 
@@ -172,46 +189,36 @@ def test_bars_are_proportional_and_never_hide_a_small_nonzero_count() -> None:
 # --- an 80x24 terminal over SSH -------------------------------------------------------------------
 
 
-def test_80x24_keeps_every_lane_whole_with_its_flags_under_it() -> None:
+def test_80x24_keeps_every_lane_with_its_bars_and_status_words() -> None:
     frame = render(realistic(), 80, 24, source="127.0.0.1:9091")
     assert_fits(frame, 80, 24)
-    for name in LANES:
-        assert row(frame, name)
-    assert re.search(r"3/50 +·+ +0/200 +10ms/200ms +12\.3 +0\.50$", row(frame, "interactive"))
-    # No room beside the numbers: flags take the next line, indented under the numbers.
-    assert after(frame, "batch").strip() == "LIMIT 10→5, BORROW 3"
-    assert after(frame, "best-effort").strip() == "SHED kueue-backlog"
-    assert after(frame, "experimental").strip() == "PAUSED, SHADOW, would reject 1.2/s"
-    assert after(frame, "legacy").strip() == "CLOSED, RETIRED"
-    assert after(frame, "batch").startswith(" " * 14)
-    assert "█" in row(frame, "batch")
+    assert len(lines_of(frame)) == 24
+    interactive = row(frame, "interactive")
+    assert re.search(r"^interactive +█·+ 3/50 +·+ +0/200 +10ms/200ms +12\.3 +0\.50$", interactive)
+    assert re.search(r"^batch +█+ +8/5 +█+·+ 120/200 ", row(frame, "batch"))
+    # No room beside the numbers for all of them: the status words wrap in their own column.
+    assert status_of(frame, "batch") == "LIMIT 10→5, BORROW 3"
+    assert status_of(frame, "best-effort") == "SHED kueue-backlog"
+    assert status_of(frame, "experimental") == "PAUSED, SHADOW, would reject 1.2/s"
+    assert status_of(frame, "legacy") == "CLOSED, RETIRED"
     # The saturation rule that is shedding made it onto the screen; what did not fit is counted.
     assert "kueue-backlog  ACTIVE 1m15s" in frame
-    assert lines_of(frame)[-1] == "… 2 more lines: enlarge the window"
-
-
-def test_short_flags_stay_beside_readable_bars_and_long_ones_move_under() -> None:
-    state = realistic()
-    state["lanes"] = state["lanes"][:3]
-    state["lanes"][1].update(borrowed=0, inflight=4)
-    frame = render(state, 80, 40)
-    assert_fits(frame, 80, 40)
-    assert re.search(r"^batch +█{5}· +4/5 +█{4}·· 120/200 .* 4\.0  LIMIT 10→5$", row(frame, "batch"))
-    assert re.search(r"^interactive +█·{5} +3/50 ", row(frame, "interactive"))
-    assert after(frame, "best-effort").strip() == "SHED kueue-backlog"
+    assert re.fullmatch(r"… \d+ more lines: enlarge the window", lines_of(frame)[-1])
 
 
 def test_narrower_than_the_bars_drops_the_bars_not_the_numbers() -> None:
-    frame = render(realistic(), 60, 40)
-    assert_fits(frame, 60, 40)
+    state = realistic()
+    del state.lanes[2:]
+    frame = render(state, 72, 40)
+    assert_fits(frame, 72, 40)
     assert "█" not in row(frame, "batch")
-    assert re.search(r"^batch +8/5 +120/200 +1\.50s/12\.8s +3\.2 +4\.0$", row(frame, "batch"))
+    assert re.search(r"^batch +8/5 +120/200 +1\.50s/12\.8s +3\.2 +4\.0  LIMIT", row(frame, "batch"))
 
 
 @pytest.mark.parametrize("width", [20, 30, 40, 50])
-def test_very_narrow_terminals_stack_each_lane_on_two_lines(width: int) -> None:
-    frame = render(realistic(), width, 200)
-    assert_fits(frame, width, 200)
+def test_very_narrow_terminals_stack_each_lane_on_its_own_lines(width: int) -> None:
+    frame = render(realistic(), width, None)
+    assert_fits(frame, width)
     lines = lines_of(frame)
     for name in LANES:
         first = next(i for i, line in enumerate(lines) if line.startswith(f"{name}  in flight")
@@ -219,6 +226,7 @@ def test_very_narrow_terminals_stack_each_lane_on_two_lines(width: int) -> None:
         assert lines[first + 1].startswith("  wait ")
     if width >= 40:
         assert "batch  in flight 8/5  queued 120/200" in lines
+        assert "  PAUSED, SHADOW, would reject 1.2/s"[:width - 1] in frame
 
 
 @pytest.mark.parametrize("width", [20, 33, 47, 61, 72, 80, 95, 132, 200])
@@ -226,9 +234,12 @@ def test_very_narrow_terminals_stack_each_lane_on_two_lines(width: int) -> None:
 def test_every_size_fits_the_terminal(width: int, height: int) -> None:
     previous = realistic()
     state = realistic()
-    state["draining"] = state["shadow"] = True
-    assert_fits(render(state, width, height, previous, source="extproc.example:9091",
-                       error="cannot reach extproc.example:9091: connection refused"), width, height)
+    state.draining = state.shadow = True
+    state.tenants[0].queued = 3
+    frame = render(state, width, height, previous, source="extproc.example:9091",
+                   error="cannot reach extproc.example:9091: connection refused")
+    assert_fits(frame, width, height)
+    assert "DRAINING" in lines_of(frame)[0]
 
 
 def test_below_the_minimum_width_the_frame_is_drawn_at_the_minimum() -> None:
@@ -241,12 +252,14 @@ def test_a_short_terminal_keeps_lanes_before_the_other_sections() -> None:
     for name in LANES:
         assert row(frame, name)
     assert "SIGNALS" not in frame
+    assert "" not in lines_of(frame)  # blank lines go before any content does
     assert re.fullmatch(r"… \d+ more lines: enlarge the window", lines_of(frame)[-1])
 
 
 def test_more_lanes_than_rows_counts_the_ones_left_out() -> None:
     state = realistic()
-    state["lanes"] = [lane(f"lane-{i:02d}") for i in range(30)]
+    del state.lanes[:]
+    state.lanes.extend(lane(f"lane-{i:02d}") for i in range(30))
     frame = render(state, 80, 24)
     assert_fits(frame, 80, 24)
     assert "lane-00" in frame
@@ -254,14 +267,15 @@ def test_more_lanes_than_rows_counts_the_ones_left_out() -> None:
     assert lines_of(frame)[-1].endswith("more lines: enlarge the window")
 
 
-def test_long_names_and_paths_are_cut_with_a_mark_at_the_right_end() -> None:
+def test_long_names_and_paths_are_cut_with_a_mark() -> None:
     state = realistic()
-    state["lanes"][0]["name"] = "interactive-" + "x" * 50
-    state["policy"]["file"] = "/etc/extproc/" + "deep/" * 20 + "policy.yaml"
-    frame = render(state, 80, 40)
-    assert_fits(frame, 80, 40)
-    assert "interactive-xxxxxxx…" in frame
+    state.lanes[0].name = "interactive-" + "x" * 50
+    state.policy.file = "/etc/extproc/" + "deep/" * 20 + "policy.yaml"
+    frame = render(state, 100, 40)
+    assert_fits(frame, 100, 40)
+    assert re.search(r"^interactive-x{7}… ", frame, re.MULTILINE)
     policy_line = next(line for line in lines_of(frame) if line.startswith("policy "))
+    # Of a path, the end is kept: the file name tells which policy it is.
     assert policy_line.startswith("policy …")
     assert "/policy.yaml @ab12cd34  reloads 2 ok" in policy_line
 
@@ -272,8 +286,8 @@ def test_long_names_and_paths_are_cut_with_a_mark_at_the_right_end() -> None:
 @pytest.mark.parametrize("width", [20, 40, 80, 120])
 def test_draining_and_shadow_mode_survive_any_width(width: int) -> None:
     state = realistic()
-    state["draining"] = True
-    state["shadow"] = True
+    state.draining = True
+    state.shadow = True
     title = lines_of(render(state, width, 24, source="a-long-host-name.example.internal:9091"))[0]
     assert title.endswith("SHADOW MODE") or width < 35
     assert "DRAINING" in title
@@ -289,66 +303,82 @@ def test_a_fetch_error_goes_right_under_the_title_over_the_last_good_state() -> 
 
 
 def test_a_fetch_error_before_any_state_is_the_whole_frame() -> None:
-    frame = render({}, 80, 24, source="127.0.0.1:9091", error="401: token required")
+    frame = render(None, 80, 24, source="127.0.0.1:9091", error="401: token required")
     assert lines_of(frame) == ["extproc top  127.0.0.1:9091", "! 401: token required"]
 
 
-def test_control_characters_in_the_document_cannot_reach_the_terminal() -> None:
+def test_control_characters_from_the_server_cannot_reach_the_terminal() -> None:
     state = realistic()
-    state["signals"][1]["error"] = "boom\x1b[2J\x1b]0;pwned\x07\nsecond line\r\tend"
-    state["lanes"][0]["name"] = "inter\x1b[31mactive"
-    state["policy"]["last_error"] = ["line 1\u2028line 2"]
+    state.signals[1].error = "boom\x1b[2J\x1b]0;pwned\x07\nsecond line\r\tend"
+    state.lanes[0].name = "inter\x1b[31mactive"
+    state.lanes[2].shed = "[bold]rule\x9b2J"
+    state.policy.last_error[0] = "line 1\u2028line 2"
+    state.saturation[0].shrink["\x1b[5mlane"] = 0.25
+    state.lanes[1].rejections["\x1b]8;;http://x\x07link"] = 1
+    state.tenants.append(pb.Tenant(name="t\x1b[1m", queued=1, queued_by_lane={"\x07b": 1}))
     frame = render(state, 120, 60, error="bad\x1b[H")
     assert_fits(frame, 120, 60)
     assert "error: boom [2J ]0;pwned second line end" in frame
+    assert "SHED [bold]rule 2J" in frame  # shown as text, never read as markup
+    assert "old policy kept: line 1 line 2" in frame
+    assert "shrink [5mlane×0.25, batch×0.5" in frame
+    assert "]8;;http://x link 1" in frame
+    assert re.search(r"^  t \[1m +weight 0 +queued 1  b 1$", frame, re.MULTILINE)
+    # With colour on, the only escape sequences are the colours themselves.
+    painted = render(state, 120, 60, error="bad\x1b[H", colour=True)
+    assert SGR.sub("", painted) == frame
     assert clean("a\x00b\u200bc  \n d") == "a b c d"
 
 
-# --- tolerance: other versions of the document --------------------------------------------------
+# --- the typed contract ---------------------------------------------------------------------------
 
 
-def test_missing_optional_keys_show_as_dashes() -> None:
-    frame = render({"version": 1, "lanes": [{"name": "interactive"}], "signals": [{"name": "kv"}],
-                    "saturation": [{"rule": "r"}]}, 100, 30)
+def test_the_version_this_top_reads_is_the_one_extproc_serves() -> None:
+    assert READS_VERSION == STATE_VERSION
+
+
+def test_unset_optional_fields_show_as_dashes() -> None:
+    state = pb.State(version=1, time=NOW, lanes=[pb.Lane(name="interactive", limit=2, effective_limit=2)],
+                     signals=[pb.Signal(name="kv")], saturation=[pb.SaturationRule(rule="r", active=True)],
+                     policy=pb.Policy(file="p.yaml", last_error=["broken"]))
+    frame = render(state, 100, 30)
     assert_fits(frame, 100, 30)
-    assert re.search(r"^interactive +·+ +–/– +·+ +–/– +–/– +– +–$", row(frame, "interactive"))
+    assert re.search(r"^interactive +·+ +0/2 +·+ +0/0 +–/– +0 +0$", row(frame, "interactive"))
     assert re.search(r"^  kv  –  never read$", frame, re.MULTILINE)
-    assert re.search(r"^  r  idle  –$", frame, re.MULTILINE)
-    assert "version" not in frame  # no version key is not an unknown version
+    assert re.search(r"^  r  ACTIVE  –$", frame, re.MULTILINE)
+    assert "! file invalid, old policy kept: broken" in frame  # no stale_since: no duration
+    assert "capacity" not in frame  # an unset message is left out, not drawn as zeros
+    assert "version" not in frame
 
 
-def test_values_of_the_wrong_type_are_shown_as_missing_not_fatal() -> None:
-    state: dict[str, Any] = {
-        "version": 1, "time": "soon", "uptime_s": True, "draining": "yes",
-        "policy": ["not", "a", "mapping"], "capacity": {"limit": "64", "inflight": float("nan")},
-        "lanes": [{"name": 42, "inflight": "3", "limit": None, "rejections": ["queue_full"],
-                   "shed": {"x": 1}},
-                  "not a lane", None,
-                  {"name": "ok", "inflight": 1, "limit": 2, "rejections": {"a": "many"}}],
-        "signals": {"kv": 1},
-        "saturation": [{"rule": None, "active": 1, "shed": "best-effort", "shrink": [1]}],
-        "unknown_section": {"anything": [1, 2, 3]},
-    }
-    frame = render(state, 80, 24)
-    assert_fits(frame, 80, 24)
-    assert "DRAINING" not in frame  # only a real true counts
-    assert re.search(r"^42 +·+ +–/– ", frame, re.MULTILINE)
-    assert row(frame, "ok")
-    assert re.search(r"^capacity ·+  –/– in flight  – queued$", frame, re.MULTILINE)
-    assert re.search(r"^  – +idle +–$", frame, re.MULTILINE)
+def test_a_json_document_is_read_leniently_but_not_blindly() -> None:
+    doc: dict[str, Any] = to_document(realistic())
+    doc["a_future_key"] = {"anything": [1, 2]}
+    doc["lanes"][0]["a_future_field"] = True
+    doc["lanes"][1]["wait_p50_s"] = None
+    state = parse_state(json.dumps(doc).encode(), "x:1")
+    assert state.lanes[0].name == "interactive"
+    assert not state.lanes[1].HasField("wait_p50_s")
+    assert state.lanes[1].HasField("wait_p95_s")
+
+    doc["lanes"][0]["inflight"] = "three"
+    with pytest.raises(FetchError, match=r"^x:1 sent a state this top cannot read: .*inflight"):
+        parse_state(json.dumps(doc).encode(), "x:1")
+    for body in (b"[1, 2]", b"<html>", b""):
+        with pytest.raises(FetchError, match="did not answer with a JSON object"):
+            parse_state(body, "x:1")
 
 
 def test_an_unknown_version_is_rendered_with_a_warning() -> None:
     state = realistic()
-    state["version"] = 2
-    state["lanes"][0]["new_field"] = {"nested": True}
+    state.version = 2
     frame = render(state, 100, 40)
-    assert "! state document version 2; this top reads version 1: some values may be missing" in frame
+    assert "! state version 2; this top reads version 1: some values may be missing" in frame
     assert row(frame, "interactive")
 
 
 def test_no_lanes_says_so() -> None:
-    assert "no lanes" in lines_of(render({"version": 1, "lanes": []}, 80, 24))
+    assert "no lanes" in lines_of(render(pb.State(version=1), 80, 24))
 
 
 # --- what changed since the last frame ----------------------------------------------------------
@@ -356,9 +386,10 @@ def test_no_lanes_says_so() -> None:
 
 def test_rejections_show_what_grew_since_the_previous_frame() -> None:
     previous = realistic()
-    state = copy.deepcopy(previous)
-    state["lanes"][1]["rejections"] = {"queue_full": 135, "deadline": 1}
-    state["lanes"][2]["rejections"] = {"shed": 10}  # went down: extproc restarted
+    state = realistic()
+    state.lanes[1].rejections.clear()
+    state.lanes[1].rejections.update({"queue_full": 135, "deadline": 1})
+    state.lanes[2].rejections["shed"] = 10  # went down: extproc restarted
     frame = render(state, 120, 60, previous)
     assert "REJECTIONS since start (+ since the last frame)" in frame
     assert re.search(r"^  batch +queue_full 135 \(\+5\)  deadline 1 \(\+1\)$", frame, re.MULTILINE)
@@ -368,31 +399,39 @@ def test_rejections_show_what_grew_since_the_previous_frame() -> None:
 
 def test_lanes_without_rejections_are_left_out_of_the_rejections_section() -> None:
     state = realistic()
-    for each in state["lanes"]:
-        each["rejections"] = {"queue_full": 0}
+    for each in state.lanes:
+        each.rejections.clear()
+        each.rejections["queue_full"] = 0
     assert "REJECTIONS" not in render(state, 120, 60)
 
 
 # --- ascii, colour ------------------------------------------------------------------------------
 
 
-def test_ascii_frames_encode_as_ascii() -> None:
-    frame = render(realistic(), 80, 60, ascii=True)
+def test_ascii_frames_encode_as_ascii_and_keep_their_columns() -> None:
+    state = realistic()
+    state.lanes[1].name = "batch-日本"
+    frame = render(state, 100, 60, ascii=True)
     frame.encode("ascii")
     assert re.search(r"#\.+ 3/50", row(frame, "interactive"))
     assert "LIMIT 10->5, BORROW 3" in frame
     assert "shrink batchx0.5" in frame
     assert "-/-" in row(frame, "best-effort")
+    # A wide character is two cells: two marks keep the columns after it where they were.
+    assert row(frame, "batch-????").index("8/5") == row(frame, "interactive").index("3/50") + 1
+    assert "~" in render(state, 40, 20, ascii=True)  # rich's cuts too
 
 
-def test_paint_only_adds_colour_codes() -> None:
-    frame = render(realistic(), 120, 60)
-    painted = paint(frame)
-    assert painted != frame
-    assert re.sub(r"\x1b\[[0-9;]*m", "", painted) == frame
-    assert "\x1b[31mSTALE\x1b[0m" in painted
-    assert "\x1b[31mACTIVE 1m15s\x1b[0m" in painted
-    assert "\x1b[33mSHED kueue-backlog\x1b[0m" in painted
+def test_colour_marks_alarms_red_and_notices_yellow_and_adds_nothing_else() -> None:
+    state = realistic()
+    state.draining = True
+    painted = render(state, 120, 60, colour=True)
+    assert SGR.sub("", painted) == render(state, 120, 60)
+    red, yellow = "\x1b[31m", "\x1b[33m"
+    for word in ("DRAINING", "STALE", "ACTIVE 1m15s", "CLOSED"):
+        assert f"{red}{word}" in painted, word
+    for word in ("SHED kueue-backlog", "PAUSED", "LIMIT 10→5", "BORROW 3"):
+        assert f"{yellow}{word}" in painted, word
     assert painted.startswith("\x1b[1mextproc top")
 
 
@@ -413,6 +452,8 @@ class FakeStream(io.StringIO):
 def test_colour_only_on_a_terminal_without_no_color(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("NO_COLOR", raising=False)
     assert wants_colour(FakeStream(tty=True))
+    assert not wants_colour(FakeStream(tty=False))
+    monkeypatch.setenv("FORCE_COLOR", "1")  # rich would colour a pipe for this; a pipe gets plain text
     assert not wants_colour(FakeStream(tty=False))
     monkeypatch.setenv("NO_COLOR", "1")
     assert not wants_colour(FakeStream(tty=True))
@@ -443,19 +484,17 @@ def test_durations_read_in_the_right_unit(seconds: float | None, text: str) -> N
 
 
 @pytest.mark.parametrize(("rate", "text"), [
-    (None, "–"), (0, "0"), (-2, "0"), (0.05, "0.05"), (0.5, "0.50"), (0.996, "1.0"), (12.34, "12.3"),
-    (99.96, "100"), (450.2, "450"), (9999.4, "9999"), (12_345, "12k"),
+    (0, "0"), (-2, "0"), (0.05, "0.05"), (0.5, "0.50"), (0.996, "1.0"), (12.34, "12.3"),
+    (99.96, "100"), (450.2, "450"), (9999.4, "9999"), (12_345, "12k"), (float("nan"), "–"),
 ])
-def test_rates_are_short(rate: float | None, text: str) -> None:
+def test_rates_are_short(rate: float, text: str) -> None:
     assert fmt_rate(rate) == text
 
 
-def test_counts_values_and_cuts() -> None:
-    assert [fmt_count(None), fmt_count(12.0), fmt_count(None, ASCII)] == ["–", "12", "-"]
-    assert [fmt_value(v) for v in (3.0, 0.93124, -2.5, 1e20, None)] == ["3", "0.9312", "-2.5", "1e+20", "–"]
-    cuts = [fit("abcdef", 6), fit("abcdefg", 6), fit("abc", 0), fit("abc", 1)]
-    assert cuts == ["abcdef", "abcde…", "", "a"]
-    assert fit("abcdefg", 6, ASCII) == "abcde~"
+def test_values() -> None:
+    assert [fmt_value(v) for v in (3.0, 0.93124, -2.5, 1e20, None, float("inf"))] == [
+        "3", "0.9312", "-2.5", "1e+20", "–", "–"]
+    assert fmt_value(None, ASCII) == "-"
 
 
 # --- the address --------------------------------------------------------------------------------
