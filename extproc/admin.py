@@ -102,13 +102,30 @@ class Admin:
             policy=policy,
             capacity=pb.Capacity(limit=_count(scheduler.policy.total_capacity),
                                  inflight=_count(scheduler.total_inflight),
-                                 queued=_count(scheduler.total_queued)),
+                                 queued=_count(scheduler.total_queued),
+                                 auto=self._auto(now, wall)),
             window_s=controller.recent.window_s,
             lanes=lanes,
             signals=self._signals(now),
             saturation=[self._rule(rule, now, wall) for rule in controller.saturation.rules(now)],
             tenants=self._tenants(views),
         )
+
+    def _auto(self, now: float, wall: float) -> pb.AutoCapacity | None:
+        controller = self.controller
+        auto = controller.gate.auto
+        if auto is None:
+            return None
+        state = auto.state()
+        out = pb.AutoCapacity(
+            limit=_count(state.limit), min=_count(state.min), max=_count(state.max),
+            mode="shadow" if state.shadow else "enforce", reason=state.reason, why=state.why,
+            since=round(wall - (now - state.since), 3), stale=state.stale,
+            leader=controller.ledger is None or controller.fleet_leader,
+            signals={role: value for role, value in state.signals.items() if value is not None})
+        if state.unreachable is not None:
+            out.unreachable = state.unreachable
+        return out
 
     def _tenants(self, views: Mapping[str, LaneView]) -> list[pb.Tenant]:
         tenants = self.controller.scheduler.policy.tenants

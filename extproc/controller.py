@@ -40,8 +40,11 @@ log = structlog.get_logger("extproc")
 class Controller:
     def __init__(self, policy: Policy, metrics: Metrics, *, clock: Callable[[], float] = time.monotonic,
                  rng: random.Random | None = None, ledger: Ledger | None = None) -> None:
-        self.gate = Gatekeeper(policy, rng)
+        self.gate = Gatekeeper(policy, rng, clock())
         self.scheduler = self.gate.scheduler
+        #: With a shared store the fleet limit (auto) is agreed there; this replica sets it while it leads.
+        self.gate.fleet_managed = ledger is not None
+        self.fleet_leader = False
         self.metrics = metrics
         #: The current time in seconds: the clock itself, not a method wrapping it (read several
         #: times per request).
@@ -62,7 +65,7 @@ class Controller:
         self.retry_budget = self.gate.retry_budget
         #: The shared slot ledger when several replicas enforce one set of limits (None: alone).
         self.ledger = ledger
-        self._limits = Limits.of(policy)
+        self._limits = Limits.of(self.gate.policy)
         self._leased: dict[int, Ticket] = {}
         self._lease_tasks: set[asyncio.Task[None]] = set()
         self._sync_wake = asyncio.Event()
@@ -133,14 +136,41 @@ class Controller:
         self._update_idle()
 
     def on_signals(self, readings: Mapping[str, Reading], now: float) -> None:
-        """New signal readings (``now`` on this controller's clock): re-evaluate saturation rules."""
-        changes, decisions = self.gate.on_signals(readings, now)
-        for change in changes:
+        """New signal readings (``now`` on this controller's clock): re-evaluate saturation rules
+        and move the self-sized limit."""
+        view = self.view if self.ledger is not None else None
+        fleet = sum(view.inflight.values()) if view is not None else None
+        result = self.gate.on_signals(readings, now, fleet_inflight=fleet)
+        for change in result.changes:
             log.warning("saturation rule active" if change.active else "saturation rule released",
                         rule=change.rule, signal=change.signal, value=change.value, stale=change.stale,
                         why=change.why)
-        self._settle(decisions)
+        self._settle(result.decisions)
+        move = result.move
+        if move is not None and (self.ledger is None or self.fleet_leader):
+            log.info("capacity limit moved", limit=move.limit, previous=move.previous, reason=move.reason,
+                     why=move.why, shadow=not self.policy_base.auto_capacity)
+            self.metrics.capacity_moves.labels(move.reason).inc()
+        if self.ledger is not None:
+            self._sync_wake.set()  # the leader's proposal goes to the store, the fleet limit comes back
+        self._capacity_changed()
         self._update_idle()
+
+    @property
+    def policy_base(self) -> Policy:
+        """The policy as loaded (``policy`` is it sized at the fleet limit, with auto)."""
+        return self.gate.base
+
+    def _capacity_changed(self) -> None:
+        auto = self.gate.auto
+        if auto is None:
+            return
+        self._limits = self._limits_now()
+        state = auto.state()
+        mode = "enforce" if self.gate.base.auto_capacity else "shadow"
+        self.metrics.capacity_limit.labels(mode).set(state.limit)
+        self.metrics.capacity_stale.set(1 if state.stale else 0)
+        self.metrics.capacity_unreachable.set(1 if state.unreachable else 0)
 
     def reconfigure(self, policy: Policy) -> None:
         """Swap in a new policy at once; queued work it lets start is admitted."""
@@ -313,6 +343,11 @@ class Controller:
         heads = {name: rank + self._epoch_offset for name, rank in scheduler.heads().items()}
         tenants = {name: dict(view.tenants) for name, view in views.items() if view.tenants}
         await ledger.publish_queue(queued, heads, tenants)
+        auto = self.gate.auto
+        if auto is not None:
+            limit, self.fleet_leader = await ledger.agree_limit(auto.limit)
+            self._settle(self.gate.set_limit(limit, self.now()))
+            self._capacity_changed()
         view = await ledger.view()
         self.view = view
         mine: dict[str, int] = {}

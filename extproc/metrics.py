@@ -181,6 +181,24 @@ class Metrics:
             "invalid while an older policy serves (epoch seconds; 0 while the file is the policy in force).",
             registry=registry,
         )
+        self.capacity_limit = Gauge(
+            "extproc_capacity_limit", "The self-sized fleet in-flight limit (capacity.max_inflight: auto): "
+            "the same on every replica sharing a store; mode shadow: computed and shown, not enforced.",
+            ["mode"], registry=registry,
+        )
+        self.capacity_moves = Counter(
+            "extproc_capacity_limit_moves", "Moves of the self-sized limit, by reason (engine_queue, ttft, "
+            "tpot: it fell; headroom: it grew; stale: it decayed with no fresh signal; reload: new bounds).",
+            ["reason"], registry=registry,
+        )
+        self.capacity_stale = Gauge(
+            "extproc_capacity_signals_stale", "1 while no engine signal of the self-sized limit is fresh (it "
+            "holds, then decays to its min).", registry=registry,
+        )
+        self.capacity_unreachable = Gauge(
+            "extproc_capacity_target_unreachable", "1 while a latency target is not met even at the limit's "
+            "min (the limit stays at min).", registry=registry,
+        )
         # The request path goes through these (see Children); the metrics above stay the public handles.
         self.queue_wait_of = Children(self.queue_wait)
         self.service_time_of = Children(self.service_time)

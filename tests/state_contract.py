@@ -302,3 +302,18 @@ class LedgerContract:
         assert inflight(view, "interactive") == 1
         assert view.replicas == 2
         assert not view.degraded
+
+    async def test_one_fleet_limit_the_leader_sets_and_a_follower_takes_over(self, backend: Backend) -> None:
+        # capacity.max_inflight: auto: every replica enforces the one limit the leading replica proposes.
+        a = await backend.make(ttl=TINY_TTL, queue_ttl=TINY_TTL)
+        b = await backend.make(ttl=TINY_TTL, queue_ttl=TINY_TTL)
+        assert await a.agree_limit(40) == (40, True)
+        assert await b.agree_limit(90) == (40, False)  # b follows: its proposal does not count
+        assert await a.agree_limit(36) == (36, True)
+        assert await b.agree_limit(36) == (36, False)
+
+        async def took_over() -> bool:  # a stops calling: within its TTL b leads from its proposal
+            return await b.agree_limit(37) == (37, True)
+
+        await eventually(took_over)
+        assert await a.agree_limit(50) == (37, False)  # a came back: it follows now

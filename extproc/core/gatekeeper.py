@@ -10,7 +10,9 @@ call with an explicit ``now``:
   slot): an original request deposits into the retry budget;
 * :meth:`permit_retry` — a rejection that lets its client retry reserves that retry;
 * :meth:`on_signals` — new cluster signal readings: saturation rules re-evaluated, lanes shed or
-  shrunk (queued requests of a shed lane are answered at once);
+  shrunk (queued requests of a shed lane are answered at once), and the self-sizing fleet limit
+  (``capacity.max_inflight: auto``) moved when the engines' signals say so;
+* :meth:`set_limit` — the fleet limit in force (its own, or the one a shared store agreed on);
 * :meth:`reconfigure` — a new policy, swapped in with queued work kept.
 
 The live controller drives it with the wall clock and futures; the offline simulator with a
@@ -24,6 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from extproc.core.admission import Decision, Scheduler
+from extproc.core.capacity import AutoLimit, Move, size
 from extproc.core.decision import Outcome, Reason
 from extproc.core.estimate import Job
 from extproc.core.retry_budget import RetryBudget
@@ -42,15 +45,50 @@ class Submitted:
     """Shadow mode: a retry the retry budget would have refused, let through."""
 
 
+@dataclass(frozen=True, slots=True)
+class Signalled:
+    """What new signal readings did."""
+
+    changes: list[Change]
+    """Saturation rules that became active or inactive."""
+    decisions: list[Decision]
+    """Requests they answered or let start."""
+    move: Move | None = None
+    """The self-sizing limit moved (its proposal, with a shared store)."""
+
+
 class Gatekeeper:
-    def __init__(self, policy: Policy, rng: random.Random | None = None) -> None:
-        self.scheduler = Scheduler(policy, rng)
+    def __init__(self, policy: Policy, rng: random.Random | None = None, now: float = 0.0) -> None:
+        self.base = policy
+        auto = policy.capacity.auto
+        self.auto = AutoLimit(auto, policy.signals, now) if auto is not None else None
+        #: True when a shared store decides the fleet limit: moves are proposals, set_limit applies.
+        self.fleet_managed = False
+        self.scheduler = Scheduler(self._sized(), rng)
         self.retry_budget = RetryBudget.of(policy.retry_budget)
         self.saturation = Saturation(policy.signals)
 
     @property
     def policy(self) -> Policy:
+        """The policy in force: with ``max_inflight: auto``, sized at the current fleet limit."""
         return self.scheduler.policy
+
+    def _sized(self, limit: int | None = None) -> Policy:
+        if self.auto is None or not self.base.auto_capacity:
+            return self.base
+        return size(self.base, limit if limit is not None else self.auto.limit)
+
+    def set_limit(self, limit: int, now: float) -> list[Decision]:
+        """Enforce ``limit`` as the fleet limit (auto only); returns the queued work it lets start.
+
+        A smaller limit takes effect as slots free: nothing running is cut short.
+        """
+        if self.auto is None:
+            return []
+        self.auto.adopt(limit)
+        if not self.base.auto_capacity or self.policy.total_capacity == self.auto.limit:
+            return []
+        return self.scheduler.reconfigure(self._sized(), now)
 
     def submit(self, lane: str, tenant: str, job: Job, now: float, *, retry: bool = False) -> Submitted:
         """Decide a new request; ``retry``: its client says it is a retry (it spends retry budget)."""
@@ -76,10 +114,22 @@ class Gatekeeper:
         """
         return not self.policy.retry_budget.enabled or self.retry_budget.reserve(now)
 
-    def on_signals(self, readings: Mapping[str, Reading], now: float) -> tuple[list[Change], list[Decision]]:
-        """New signal readings: the rule changes they cause, and the decisions those cause."""
+    def on_signals(self, readings: Mapping[str, Reading], now: float, *, fleet_inflight: int | None = None
+                   ) -> Signalled:
+        """New signal readings: the rule changes they cause, the limit's move, and the decisions.
+
+        ``fleet_inflight``: requests running fleet-wide (with a shared store; default: this one's).
+        """
         changes = self.saturation.update(readings, now)
-        return changes, (self._apply_effects(now) if changes else [])
+        decisions = self._apply_effects(now) if changes else []
+        move = None
+        if self.auto is not None:
+            scheduler = self.scheduler
+            inflight = fleet_inflight if fleet_inflight is not None else scheduler.total_inflight
+            move = self.auto.update(readings, inflight, scheduler.total_queued, now)
+            if move is not None and not self.fleet_managed:
+                decisions.extend(self.set_limit(move.limit, now))
+        return Signalled(changes, decisions, move)
 
     def _apply_effects(self, now: float) -> list[Decision]:
         saturation = self.saturation
@@ -88,7 +138,15 @@ class Gatekeeper:
 
     def reconfigure(self, policy: Policy, now: float) -> list[Decision]:
         """Swap in a new policy at once; returns the queued work it lets start (or sheds)."""
-        out = self.scheduler.reconfigure(policy, now)
+        self.base = policy
+        auto = policy.capacity.auto
+        if auto is None:
+            self.auto = None
+        elif self.auto is None:
+            self.auto = AutoLimit(auto, policy.signals, now)
+        else:
+            self.auto.reconfigure(auto, policy.signals, now)
+        out = self.scheduler.reconfigure(self._sized(), now)
         self.retry_budget.reconfigure(policy.retry_budget)
         # Rules may have been added, removed or retargeted: re-derive every lane's effect.
         self.saturation.reconfigure(policy.signals)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PlainValidator, field_validator, model_validator
 
 from extproc.policy.fields import Duration, HeaderName, Strict
 from extproc.policy.ratelimit import RateLimit, RetryBudget
@@ -161,9 +161,84 @@ class Queueing(_Strict):
     """
 
 
+class AutoTarget(_Strict):
+    """What the engine must keep meeting while the limit grows (each optional)."""
+
+    ttft_p95: Annotated[Duration, Field(gt=0, le=600)] | None = None
+    """Time to first token, 95th percentile, as the engine reports it."""
+    tpot_p95: Annotated[Duration, Field(gt=0, le=60)] | None = None
+    """Time per output token (inter-token latency), 95th percentile."""
+    queue: Annotated[int, Field(ge=0, le=100_000)] = 0
+    """Requests the engines may keep waiting in their own queues (summed) before the limit falls."""
+
+
+class AutoSignals(_Strict):
+    """Which of ``signals.read`` tell the engine's state (names of signals; each optional)."""
+
+    waiting: Annotated[str, Field(pattern=_NAME)] | None = None
+    """Requests waiting in the engines' own queues (e.g. preset waiting_requests)."""
+    ttft_p95: Annotated[str, Field(pattern=_NAME)] | None = None
+    tpot_p95: Annotated[str, Field(pattern=_NAME)] | None = None
+
+
+class AutoCapacity(_Strict):
+    """A fleet in-flight limit that finds and follows the engines' real concurrency.
+
+    It falls fast when the engines' own queue grows or a latency passes its target, and grows
+    carefully while there is headroom and the limit is what holds traffic back; it never leaves
+    ``[min, max]``. Lanes' ``max_inflight`` then are shares of it (see ``Capacity``).
+    """
+
+    min: Annotated[int, Field(ge=1, le=100_000)] = 1
+    max: Annotated[int, Field(ge=1, le=100_000)]
+    start: Annotated[int, Field(ge=1, le=100_000)] | None = None
+    """Where a fresh fleet starts (default: min); it grows from there while there is headroom."""
+    target: AutoTarget = Field(default_factory=AutoTarget)
+    signals: AutoSignals = Field(default_factory=AutoSignals)
+    interval: Annotated[Duration, Field(ge=0.1, le=600)] = 2.0
+    """How often the limit may move."""
+    cooldown: Annotated[Duration, Field(ge=0, le=3600)] = 6.0
+    """After a fall, latency percentiles (which look back over a window) may not cut it again for
+    this long; a growing engine queue always may."""
+    stale_hold: Annotated[Duration, Field(ge=0, le=3600)] = 30.0
+    """With every signal stale or missing, the last limit holds this long, then decays to min."""
+    shadow: bool = False
+    """Compute, export and log the limit, but enforce capacity.max_inflight (a number) instead."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoCapacity:
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) must not exceed max ({self.max})")
+        if self.start is not None and not self.min <= self.start <= self.max:
+            raise ValueError(f"start ({self.start}) must lie within [min, max] = [{self.min}, {self.max}]")
+        return self
+
+    @property
+    def first(self) -> int:
+        return self.start if self.start is not None else self.min
+
+
+def _limit_or_auto(value: object) -> int | Literal["auto"] | None:
+    """A whole number of slots ≥ 1, or ``auto`` (one clear message, not one per union member)."""
+    if value is None or value == "auto":
+        return value
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer() and value >= 1:
+            return int(value)
+        raise ValueError("Input should be a whole number of slots or auto")
+    if value < 1:
+        raise ValueError("Input should be greater than or equal to 1")
+    return value
+
+
 class Capacity(_Strict):
-    max_inflight: Annotated[int | None, Field(ge=1)] = None
-    """Slots in all (default: the sum of the lanes' max_inflight)."""
+    max_inflight: Annotated[int | Literal["auto"] | None, PlainValidator(_limit_or_auto)] = None
+    """Slots in all (default: the sum of the lanes' max_inflight), or ``auto`` (see ``auto``).
+
+    With ``auto`` each lane's max_inflight is its share: lane limit = the fleet limit × its
+    max_inflight / the lanes' max_inflight summed (at least 1), and so is its max_borrow."""
+    auto: AutoCapacity | None = None
+    """The self-sizing limit: enforced with ``max_inflight: auto``, only shown with ``shadow: true``."""
     max_queued: Annotated[int | None, Field(ge=0)] = None
     """Queued requests in all; when full, evictable lanes lose their worst entry to higher lanes."""
     max_request_duration: Annotated[Duration, Field(gt=0)] = 3600.0
@@ -247,7 +322,8 @@ class Policy(_Strict):
                 f"list it there once your gateway sets it (clients could claim any tenant)"
             )
         total = sum(lane.max_inflight for lane in self.lanes)
-        capacity = self.capacity.max_inflight
+        problems.extend(self._auto_problems())
+        capacity = self.capacity.max_inflight if self.capacity.max_inflight != "auto" else None
         for i, lane in enumerate(self.lanes):
             if capacity is not None and lane.max_inflight > capacity:
                 problems.append(
@@ -273,6 +349,33 @@ class Policy(_Strict):
             raise ValueError("\n".join(problems))
         return self
 
+    def _auto_problems(self) -> list[str]:
+        auto, limit = self.capacity.auto, self.capacity.max_inflight
+        if auto is None:
+            return ["capacity.auto: required with capacity.max_inflight: auto (its min, max and "
+                    "signals)"] if limit == "auto" else []
+        out: list[str] = []
+        if limit != "auto" and not auto.shadow:
+            out.append("capacity.auto: set capacity.max_inflight: auto to enforce it, or "
+                       "capacity.auto.shadow: true to only watch it")
+        if limit == "auto" and auto.shadow:
+            out.append("capacity.auto.shadow: shadow mode enforces a number: set "
+                       "capacity.max_inflight to the limit in force while auto is watched")
+        roles = auto.signals.model_dump()
+        for role, name in roles.items():
+            if name is not None and name not in self.signals.read:
+                known = sorted(self.signals.read)
+                out.append(f"capacity.auto.signals.{role}: unknown signal {name!r}, expected "
+                           + (f"one of {known}" if known else "a signal of signals.read (none defined)"))
+        if all(name is None for name in roles.values()):
+            out.append("capacity.auto.signals: name at least one of waiting, ttft_p95, tpot_p95 "
+                       "(signals of signals.read): without the engine's signals the limit cannot move")
+        for role in ("ttft_p95", "tpot_p95"):
+            if getattr(auto.target, role) is not None and roles[role] is None:
+                out.append(f"capacity.auto.target.{role}: needs capacity.auto.signals.{role}, the "
+                           f"signal to compare it with")
+        return out
+
     def lane(self, name: str) -> Lane:
         for lane in self.lanes:
             if lane.name == name:
@@ -281,9 +384,19 @@ class Policy(_Strict):
 
     @property
     def total_capacity(self) -> int:
-        if self.capacity.max_inflight is not None:
-            return self.capacity.max_inflight
+        """The slots in all; with ``auto`` (before sizing), where the fleet starts."""
+        limit = self.capacity.max_inflight
+        if limit == "auto":
+            assert self.capacity.auto is not None
+            return self.capacity.auto.first
+        if limit is not None:
+            return limit
         return sum(lane.max_inflight for lane in self.lanes)
+
+    @property
+    def auto_capacity(self) -> bool:
+        """The fleet limit is self-sized and enforced (``capacity.max_inflight: auto``)."""
+        return self.capacity.max_inflight == "auto"
 
     @property
     def needs_body(self) -> bool:

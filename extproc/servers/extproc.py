@@ -378,6 +378,10 @@ class _Request:
             fields["output_tokens"] = job.output_tokens
             if ticket.retry:
                 fields["retry"] = True
+        auto = controller.gate.auto
+        if auto is not None:
+            # The self-sized fleet limit in force when the request ended (shadow: the one computed).
+            fields["capacity_limit"] = auto.limit
         if self.saturation is not None:
             fields["signal"] = self.saturation.signal
             fields["saturation_rule"] = self.saturation.shed_by

@@ -286,7 +286,7 @@ class Simulator:
                 values = {"kv": engine.kv_usage, "waiting": float(engine.waiting),
                           "running": float(engine.running)}
                 readings = {name: Reading(values[quantity], now) for name, quantity in signals.items()}
-                _, decisions = gate.on_signals(readings, now)
+                decisions = gate.on_signals(readings, now).decisions
                 clock[0] = now
                 settle(decisions, now)
             clock[0] = now

@@ -308,6 +308,16 @@ class Ledger(Protocol):
 
     async def view(self) -> GlobalView: ...
 
+    async def agree_limit(self, proposal: int) -> tuple[int, bool]:
+        """One self-sized fleet limit for every replica: ``(the fleet limit, whether this replica leads)``.
+
+        The leading replica's ``proposal`` becomes the fleet limit; a replica leads while it keeps
+        calling within the queue TTL, and when it stops another takes over. Followers adopt the
+        limit (so a new leader continues from it). Raises ``LedgerUnavailable`` when the store
+        cannot be reached (the fallback ledger answers from what was last agreed).
+        """
+        ...
+
     def on_freed(self, callback: FreedCallback) -> None:
         """Call ``callback(lane)`` on the event loop whenever a slot of ``lane`` may have freed."""
         ...

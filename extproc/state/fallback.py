@@ -90,6 +90,8 @@ class FallbackLedger:
         self._held_by: dict[str, dict[str, int]] = {}
         #: The replicas and holdings an outage's allotment is computed from, fixed when it began.
         self._frozen: tuple[tuple[str, ...], dict[str, dict[str, int]]] | None = None
+        #: The fleet limit as last agreed through Redis (capacity.max_inflight: auto).
+        self._agreed: int | None = None
         primary.on_failure(self._down)
 
     @property
@@ -211,6 +213,15 @@ class FallbackLedger:
             return
         with contextlib.suppress(LedgerUnavailable):
             await self.primary.publish_queue(queued, heads, tenants)
+
+    async def agree_limit(self, proposal: int) -> tuple[int, bool]:
+        """Through Redis; while it is unreachable, the last agreed limit or a smaller proposal
+        (each replica may still fall on its own engines' signals, never grow past what was agreed)."""
+        if not self.degraded:
+            with contextlib.suppress(LedgerUnavailable):
+                self._agreed, leads = await self.primary.agree_limit(proposal)
+                return self._agreed, leads
+        return (proposal if self._agreed is None else min(self._agreed, proposal)), False
 
     async def view(self) -> GlobalView:
         if not self.degraded:

@@ -78,6 +78,9 @@ class MemoryHub:
         self.alive: dict[str, float] = {}
         self.summaries: dict[str, _Summary] = {}
         self.members: list[MemoryLedger] = []
+        #: The self-sizing fleet limit: who leads (and until when), and the limit it set.
+        self.leader: tuple[str, float] | None = None
+        self.limit: int | None = None
 
     def lane(self, name: str) -> _Lane:
         lane = self.lanes.get(name)
@@ -239,6 +242,14 @@ class MemoryLedger:
         for lane in sorted(after.queued):
             if not before.queued.get(lane):
                 self.deliver(lane)
+
+    async def agree_limit(self, proposal: int) -> tuple[int, bool]:
+        hub, now = self.hub, self.hub.clock()
+        if hub.leader is None or hub.leader[1] <= now or hub.leader[0] == self.replica:
+            hub.leader = (self.replica, now + self.queue_ttl)
+            hub.limit = proposal
+            return proposal, True
+        return (hub.limit if hub.limit is not None else proposal), False
 
     async def view(self) -> GlobalView:
         hub = self.hub

@@ -177,6 +177,8 @@ class RedisLedger:
         self._alive_key = f"{tag}:alive"
         self._queues_key = f"{tag}:queues"
         self._lanes_key = f"{tag}:lanes"
+        self._leader_key = f"{tag}:limit:leader"
+        self._limit_key = f"{tag}:limit"
         self.channel = f"{tag}:freed"
         self._ttl_ms = str(max(int(ttl * 1000), 1))
         self._queue_ttl_ms = str(max(int(queue_ttl * 1000), 1))
@@ -365,7 +367,7 @@ class RedisLedger:
         background tasks keep trying)."""
         self._loop = asyncio.get_running_loop()
         self._client = self._connect(self.timeout, self.pool_size)
-        for name in ("acquire", "release", "heartbeat", "queue", "view"):
+        for name in ("acquire", "release", "heartbeat", "queue", "view", "limit"):
             self._scripts[name] = self._client.register_script(_script(f"{name}.lua"))
         self._tasks.append(asyncio.create_task(self._listen(), name=f"ledger-listen-{self.replica}"))
         if self._renew:
@@ -589,6 +591,11 @@ class RedisLedger:
                 if not self._sent_queued.get(lane):
                     self.deliver(lane)
             self._sent_queued = queued
+
+    async def agree_limit(self, proposal: int) -> tuple[int, bool]:
+        leads, limit = await self._run("limit", [self._leader_key, self._limit_key],
+                                       [self.replica, str(proposal), self._queue_ttl_ms])
+        return int(limit), bool(leads)
 
     async def view(self) -> GlobalView:
         remote = {str(name) for name in await self._io(lambda client: client.smembers(self._lanes_key))}

@@ -32,6 +32,7 @@ from typing import Any
 
 from extproc.core.admission import Decision, Scheduler, State, Ticket
 from extproc.core.body import BodyFacts
+from extproc.core.capacity import size
 from extproc.core.classify import Classifier, RequestFacts, normalize_path
 from extproc.core.decision import Outcome, Reason
 from extproc.core.estimate import Estimator, Job
@@ -594,12 +595,38 @@ class Explanation:
     fill_tokens: int | None = None
     shadow: str | None = None
     """Why the lane only observes (shadow mode), when it does: the scenarios show what enforcing would do."""
+    capacity: str | None = None
+    """With a self-sizing limit (capacity.auto): how it works and the limit the scenarios use."""
+
+
+def _auto_text(policy: Policy, limit: int) -> str | None:
+    auto = policy.capacity.auto
+    if auto is None:
+        return None
+    roles = ", ".join(f"{role} ({name})" for role, name in auto.signals.model_dump().items() if name)
+    goals = [f"{role} ≤ {duration(value)}" for role, value in
+             (("ttft_p95", auto.target.ttft_p95), ("tpot_p95", auto.target.tpot_p95)) if value is not None]
+    goals.append(f"engine queue ≤ {auto.target.queue}")
+    mode = ("shadow: computed and shown, capacity.max_inflight enforced" if auto.shadow
+            else f"decided below at {limit} (the live limit: GET /admin/state, extproc top)")
+    return (f"auto in [{auto.min}, {auto.max}], from {roles}; falls when {' or '.join(goals)} is broken, "
+            f"grows while there is headroom; {mode}")
 
 
 def explain(policy: Policy, request: SampleRequest, *, source: str = "", occupancy: float = 0.0,
             state: Mapping[str, LaneLoad] | None = None, fill_tokens: int | None = None,
-            seed: int = 0) -> Explanation:
-    """Everything ``extproc policy explain`` says, as values."""
+            seed: int = 0, capacity_limit: int | None = None) -> Explanation:
+    """Everything ``extproc policy explain`` says, as values.
+
+    With ``capacity.max_inflight: auto`` the scenarios run at ``capacity_limit`` (default: where
+    the limit starts), sized exactly as the live service sizes it.
+    """
+    auto = policy.capacity.auto
+    limit = policy.total_capacity
+    if auto is not None and policy.auto_capacity:
+        limit = min(max(capacity_limit if capacity_limit is not None else auto.first, auto.min), auto.max)
+    capacity = _auto_text(policy, limit)
+    policy = size(policy, limit)
     seen = intake(policy, request)
     view = classify(policy, seen.facts, seen.stripped)
     sized = estimate(policy, seen, occupancy)
@@ -616,7 +643,7 @@ def explain(policy: Policy, request: SampleRequest, *, source: str = "", occupan
     results = tuple(run_scenario(enforcing, name, loads, view.lane, view.tenant, job, fill_job, seed)
                     for name, loads in scenarios)
     return Explanation(source, policy, request, seen, view, lane, sized, results,
-                       fill_tokens=fill_tokens, shadow=shadow)
+                       fill_tokens=fill_tokens, shadow=shadow, capacity=capacity)
 
 
 def _enforcing(policy: Policy) -> Policy:
@@ -730,6 +757,8 @@ def render(expl: Explanation) -> str:
               f"= {est.predicted_s * 1000:.0f} ms",
               "            (priors: a running replica also learns decode cost from finished requests)"]
 
+    if expl.capacity:
+        lines += ["", f"capacity  {expl.capacity}"]
     fill = (f"requests of {expl.fill_tokens} output tokens" if expl.fill_tokens is not None
             else "requests like this one")
     lines += ["", f"decisions (the state is filled with {fill} from tenant {view.tenant}, all arriving now)"]
@@ -775,6 +804,7 @@ def as_json(expl: Explanation) -> dict[str, Any]:
         },
         "fill_tokens": expl.fill_tokens,
         "shadow": expl.shadow,
+        "capacity": expl.capacity,
         "scenarios": [{
             "name": s.name,
             "asked": {k: {"inflight": v.inflight, "queued": v.queued} for k, v in s.asked.items()},
@@ -830,6 +860,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="output tokens of the synthetic requests that fill a state "
                         "(default: as many as this request)")
     parser.add_argument("--seed", type=int, default=0, help="seed of Retry-After jitter")
+    parser.add_argument("--capacity-limit", type=_positive, default=None, metavar="N",
+                        help="with capacity.max_inflight: auto, decide at this fleet limit (default: "
+                        "where it starts; clamped into its bounds)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -849,6 +882,6 @@ def command(args: argparse.Namespace) -> int:
         print(f"extproc policy explain: {exc}", file=sys.stderr)
         return 2
     expl = explain(policy, request, source=args.file, occupancy=args.occupancy, state=state,
-                   fill_tokens=args.fill_tokens, seed=args.seed)
+                   fill_tokens=args.fill_tokens, seed=args.seed, capacity_limit=args.capacity_limit)
     print(json.dumps(as_json(expl), indent=2) if args.json else render(expl))
     return 0

@@ -279,6 +279,18 @@ class View:
             bar_w = min(32, width - len("capacity   ") - len(text))
             shown = bar(cap.inflight, cap.limit, bar_w, g) + "  " if bar_w >= 3 else ""
             yield _cut(f"capacity {shown}{text}")
+            if cap.HasField("auto"):
+                auto = cap.auto
+                mode = "auto, shadow (not enforced)" if auto.mode == "shadow" else "auto"
+                role = "" if auto.leader else ", following the fleet"
+                age = _since(state, auto.since, g)
+                moved = f" {age} ago" if age else ""
+                yield _cut(f"limit {auto.limit} ({mode} in [{auto.min}, {auto.max}]{role}): "
+                           f"{auto.reason}{moved}: {clean(auto.why)}")
+                if auto.stale:
+                    yield _cut("! no fresh engine signal: the limit holds, then decays to min", ALARM)
+                if auto.HasField("unreachable"):
+                    yield _cut(f"! target unreachable: {clean(auto.unreachable)}", ALARM)
 
     def _sections(self, console: Console, options: ConsoleOptions, g: Glyphs) -> Iterator[RenderableType]:
         if (state := self.state) is None:

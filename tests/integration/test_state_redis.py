@@ -301,6 +301,27 @@ async def test_while_redis_is_down_each_replica_keeps_to_its_share_then_counts_r
         await b.close()
 
 
+async def test_while_redis_is_down_the_fleet_limit_may_fall_but_not_grow(server: RedisServer) -> None:
+    a, b = await fallback(server), await fallback(server)
+    try:
+        assert await a.agree_limit(40) == (40, True)
+        assert await b.agree_limit(60) == (40, False)
+        server.kill()
+        await a.acquire("batch", "a1", LIMITS)  # notices the outage
+        await b.acquire("batch", "b1", LIMITS)
+        assert a.degraded
+        assert b.degraded
+        # Each replica may still fall on its own engines' signals; none grows past what was agreed.
+        assert await a.agree_limit(30) == (30, False)
+        assert await b.agree_limit(60) == (40, False)
+        server.start()
+        await recovered(a, b)
+        assert (await a.agree_limit(30))[0] == 30
+    finally:
+        await a.close()
+        await b.close()
+
+
 async def test_while_redis_is_unreachable_but_keeps_its_data_releases_and_grants_reconcile(
         server: RedisServer) -> None:
     a = await fallback(server)

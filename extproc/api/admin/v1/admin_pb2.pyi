@@ -107,14 +107,49 @@ class Policy(_message.Message):
     def __init__(self, file: _Optional[str] = ..., sha256: _Optional[str] = ..., loaded_at: _Optional[float] = ..., reloads_ok: _Optional[int] = ..., reloads_failed: _Optional[int] = ..., last_error: _Optional[_Iterable[str]] = ..., stale_since: _Optional[float] = ...) -> None: ...
 
 class Capacity(_message.Message):
-    __slots__ = ("limit", "inflight", "queued")
+    __slots__ = ("limit", "inflight", "queued", "auto")
     LIMIT_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
+    AUTO_FIELD_NUMBER: _ClassVar[int]
     limit: int
     inflight: int
     queued: int
-    def __init__(self, limit: _Optional[int] = ..., inflight: _Optional[int] = ..., queued: _Optional[int] = ...) -> None: ...
+    auto: AutoCapacity
+    def __init__(self, limit: _Optional[int] = ..., inflight: _Optional[int] = ..., queued: _Optional[int] = ..., auto: _Optional[_Union[AutoCapacity, _Mapping]] = ...) -> None: ...
+
+class AutoCapacity(_message.Message):
+    __slots__ = ("limit", "min", "max", "mode", "reason", "why", "since", "stale", "unreachable", "leader", "signals")
+    class SignalsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    MIN_FIELD_NUMBER: _ClassVar[int]
+    MAX_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    WHY_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    STALE_FIELD_NUMBER: _ClassVar[int]
+    UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
+    SIGNALS_FIELD_NUMBER: _ClassVar[int]
+    limit: int
+    min: int
+    max: int
+    mode: str
+    reason: str
+    why: str
+    since: float
+    stale: bool
+    unreachable: str
+    leader: bool
+    signals: _containers.ScalarMap[str, float]
+    def __init__(self, limit: _Optional[int] = ..., min: _Optional[int] = ..., max: _Optional[int] = ..., mode: _Optional[str] = ..., reason: _Optional[str] = ..., why: _Optional[str] = ..., since: _Optional[float] = ..., stale: _Optional[bool] = ..., unreachable: _Optional[str] = ..., leader: _Optional[bool] = ..., signals: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class Lane(_message.Message):
     __slots__ = ("name", "priority", "inflight", "limit", "effective_limit", "borrowed", "queued", "max_queued", "paused", "closed", "shadow", "retired", "shed", "wait_p50_s", "wait_p95_s", "admit_per_s", "reject_per_s", "shadow_reject_per_s", "rejections")

@@ -1,0 +1,243 @@
+"""Self-sizing capacity: the fleet's in-flight limit, found and followed from the engines' own signals.
+
+How this works: :class:`AutoLimit` holds one number, the fleet in-flight limit, inside the
+policy's ``[min, max]``, and moves it at most once per ``interval`` from three engine signals
+(each optional): the requests waiting in the engines' own queues, TTFT p95 and time per output
+token (TPOT) p95.
+
+* **Fall fast.** An engine queue above ``target.queue`` means the limit lets more requests in
+  than the engines run at once: the excess is taken off at once (limit − (waiting − queue),
+  but at most half of it in one move). A latency percentile above its target cuts the limit in
+  proportion (target / observed, between ×0.5 and ×0.9). Percentiles look back over a window,
+  so after a fall they may not cut again for ``cooldown``; the queue always may (it is a gauge).
+* **Grow carefully.** Only while every fresh signal has headroom (no engine queue beyond the
+  target, latencies below 90 % of their targets) *and* the limit is what holds traffic back
+  (in flight ≥ 90 % of the limit, or requests queue in extproc): +5 % (at least one slot) per
+  interval, a step that doubles with each consecutive growth up to +25 %, and falls back to +5 %
+  after any fall. A limit that nothing presses against never drifts up.
+* **Stale or missing signals.** With no fresh signal the last limit holds for ``stale_hold``,
+  then decays by 10 % per interval to ``min``; the state says so.
+* **Unreachable targets** (a TPOT of 1 ms): the limit stops at ``min`` and the state says the
+  target is unreachable there; it never reaches 0.
+
+:func:`size` turns a policy with ``max_inflight: auto`` into one with concrete numbers at a
+given limit (lanes' max_inflight are shares of it), which is what the scheduler and the shared
+store enforce. The live controller, the simulator and ``policy explain`` all run this code;
+nothing here reads a clock or does I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from extproc.core.saturation import Reading
+from extproc.policy.schema import AutoCapacity, Policy
+from extproc.policy.signals import Signals
+
+#: Most of the excess one fall may take off; the largest and smallest proportional cuts.
+_MAX_CUT, _CUT_FLOOR, _CUT_CEILING = 0.5, 0.5, 0.9
+#: Growth per interval: first step, largest step (consecutive growths double it up to this).
+_GROW_FIRST, _GROW_MAX = 0.05, 0.25
+#: Headroom: latencies below this share of their target; pressure: in flight at this share.
+_HEADROOM, _PRESSED = 0.9, 0.9
+#: Decay per interval once stale signals outlast stale_hold.
+_DECAY = 0.9
+
+Reason = Literal["start", "engine_queue", "ttft", "tpot", "headroom", "stale", "reload"]
+Role = Literal["waiting", "ttft_p95", "tpot_p95"]
+ROLES: tuple[Role, ...] = ("waiting", "ttft_p95", "tpot_p95")
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """The limit moved (or a notable state began): what it is now and why."""
+
+    limit: int
+    previous: int
+    at: float
+    reason: Reason
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class AutoState:
+    """What the admin API, metrics and logs say about the limit."""
+
+    limit: int
+    min: int
+    max: int
+    shadow: bool
+    reason: Reason
+    why: str
+    since: float
+    """When the limit last moved (or the state began)."""
+    stale: bool
+    """No fresh signal: holding, then decaying to min."""
+    unreachable: str | None
+    """A target not met even at min, e.g. ``tpot_p95 80ms > 1ms at min 4``."""
+    signals: Mapping[str, float | None]
+    """Each configured role's fresh value (None: stale or missing)."""
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.0f}ms" if seconds < 10 else f"{seconds:.1f}s"
+
+
+class AutoLimit:
+    """The self-sizing limit of one policy's ``capacity.auto`` (pure: explicit ``now``)."""
+
+    def __init__(self, auto: AutoCapacity, signals: Signals, now: float = 0.0) -> None:
+        self.auto = auto
+        self._signals = signals
+        self._value = float(auto.first)
+        self._last_tick: float | None = None
+        self._last_cut: float = -math.inf
+        self._growth = _GROW_FIRST
+        self._stale_since: float | None = None
+        self._values: dict[str, float | None] = {}
+        self._unreachable: str | None = None
+        self._reason: Reason = "start"
+        self._why = f"starts at {auto.first} (min {auto.min}, max {auto.max})"
+        self._since = now
+
+    @property
+    def limit(self) -> int:
+        return int(self._value)
+
+    def reconfigure(self, auto: AutoCapacity, signals: Signals, now: float) -> Move | None:
+        """A new policy: keep the limit learned so far, clamped into the new bounds."""
+        self.auto, self._signals = auto, signals
+        clamped = min(max(self._value, auto.min), auto.max)
+        if int(clamped) != self.limit:
+            before = self.limit
+            self._value = clamped
+            return self._moved(before, now, "reload", f"clamped into the new bounds [{auto.min}, {auto.max}]")
+        return None
+
+    def adopt(self, limit: int) -> None:
+        """Follow the fleet's limit (another replica sets it): continue from there if this one takes over."""
+        self._value = float(min(max(limit, self.auto.min), self.auto.max))
+
+    def state(self) -> AutoState:
+        return AutoState(self.limit, self.auto.min, self.auto.max, self.auto.shadow, self._reason, self._why,
+                         self._since, self._stale_since is not None, self._unreachable, dict(self._values))
+
+    def update(self, readings: Mapping[str, Reading], inflight: int, queued: int, now: float) -> Move | None:
+        """Look at the latest readings; move the limit if an interval has passed and they say so.
+
+        ``inflight``: requests running under this limit (fleet-wide with a shared store);
+        ``queued``: requests waiting in extproc's own queues.
+        """
+        if self._last_tick is not None and now - self._last_tick < self.auto.interval:
+            return None
+        self._last_tick = now
+        fresh = self._fresh(readings, now)
+        configured = {role for role in ROLES if getattr(self.auto.signals, role) is not None}
+        self._values = {role: fresh.get(role) for role in sorted(configured)}
+        if not fresh:
+            return self._stale(now)
+        self._stale_since = None
+        auto, before = self.auto, self.limit
+        target = auto.target
+        waiting = fresh.get("waiting")
+        if waiting is not None and waiting > target.queue:
+            excess = waiting - target.queue
+            self._value = max(float(auto.min), self._value - min(excess, self._value * _MAX_CUT))
+            self._cut(now)
+            return self._moved(before, now, "engine_queue",
+                               f"the engines queue {waiting:g} requests (target {target.queue})")
+        over: list[tuple[float, Reason, str]] = []
+        checks: tuple[tuple[Role, Reason], ...] = (("ttft_p95", "ttft"), ("tpot_p95", "tpot"))
+        for role, reason in checks:
+            value, goal = fresh.get(role), getattr(target, role)
+            if value is not None and goal is not None and value > goal:
+                over.append((goal / value, reason, f"{role} {_ms(value)} > target {_ms(goal)}"))
+        if over:
+            ratio, reason, text = min(over)
+            at_min = self._value <= auto.min
+            self._unreachable = f"{text} at min {auto.min}" if at_min else None
+            if at_min or now - self._last_cut < auto.cooldown:
+                return None
+            self._value = max(float(auto.min), self._value * min(max(ratio, _CUT_FLOOR), _CUT_CEILING))
+            self._cut(now)
+            return self._moved(before, now, reason, text)
+        self._unreachable = None
+        headroom = all(
+            (value := fresh.get(role)) is None or (goal := getattr(target, role)) is None
+            or value < goal * _HEADROOM
+            for role in ("ttft_p95", "tpot_p95")
+        )
+        pressed = inflight >= _PRESSED * self._value or queued > 0
+        if not headroom or not pressed or self._value >= auto.max:
+            return None
+        self._value = min(float(auto.max), max(self._value * (1 + self._growth), self._value + 1))
+        self._growth = min(self._growth * 2, _GROW_MAX)
+        seen = ", ".join(f"{role} {_fmt(role, fresh[role])}" for role in sorted(fresh))
+        return self._moved(before, now, "headroom", f"headroom: {seen}")
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _fresh(self, readings: Mapping[str, Reading], now: float) -> dict[Role, float]:
+        out: dict[Role, float] = {}
+        for role in ROLES:
+            name = getattr(self.auto.signals, role)
+            if name is None:
+                continue
+            signal, reading = self._signals.read.get(name), readings.get(name)
+            if signal is None or reading is None or not reading.good:
+                continue
+            assert reading.value is not None
+            assert reading.updated_at is not None
+            if now - reading.updated_at <= signal.stale_after:
+                out[role] = reading.value
+        return out
+
+    def _stale(self, now: float) -> Move | None:
+        if self._stale_since is None:
+            self._stale_since = now
+            self._reason, self._why, self._since = "stale", "no fresh signal: holding the last limit", now
+        if now - self._stale_since < self.auto.stale_hold or self._value <= self.auto.min:
+            return None
+        before = self.limit
+        self._value = max(float(self.auto.min), math.floor(self._value * _DECAY))
+        quiet = now - self._stale_since
+        why = f"no fresh signal for {quiet:.0f}s: decaying to min {self.auto.min}"
+        return self._moved(before, now, "stale", why)
+
+    def _cut(self, now: float) -> None:
+        self._last_cut = now
+        self._growth = _GROW_FIRST
+
+    def _moved(self, before: int, now: float, reason: Reason, why: str) -> Move | None:
+        self._reason, self._why = reason, why
+        if self.limit == before:
+            return None
+        self._since = now
+        return Move(self.limit, before, now, reason, why)
+
+
+def _fmt(role: str, value: float) -> str:
+    return f"{value:g}" if role == "waiting" else _ms(value)
+
+
+def size(policy: Policy, limit: int) -> Policy:
+    """``policy`` with ``max_inflight: auto`` made concrete at ``limit`` (other policies unchanged).
+
+    Each lane's max_inflight (and max_borrow) is its share of the limit: ``limit × its
+    max_inflight / the lanes' max_inflight summed``, rounded, at least 1 slot (0 borrowed).
+    """
+    if not policy.auto_capacity:
+        return policy
+    total = sum(lane.max_inflight for lane in policy.lanes)
+    lanes = tuple(
+        lane.model_copy(update={
+            "max_inflight": max(1, round(limit * lane.max_inflight / total)),
+            "max_borrow": None if lane.max_borrow is None else max(0, round(limit * lane.max_borrow / total)),
+        })
+        for lane in policy.lanes
+    )
+    capacity = policy.capacity.model_copy(update={"max_inflight": limit})
+    return policy.model_copy(update={"lanes": lanes, "capacity": capacity})

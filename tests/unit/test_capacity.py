@@ -1,0 +1,260 @@
+"""The self-sizing fleet limit (capacity.max_inflight: auto): pure, explicit time, no sockets."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from extproc.core.capacity import AutoLimit, size
+from extproc.core.gatekeeper import Gatekeeper
+from extproc.core.saturation import Reading
+from extproc.policy import PolicyError, parse_policy
+from extproc.policy.schema import Policy
+from tests.unit.test_admission import job
+
+SIGNALS = {
+    "sources": {"engines": {"scrape": {"targets": ["http://127.0.0.1:8000/metrics"], "interval": "1s"}}},
+    "read": {
+        "waiting": {"source": "engines", "preset": "waiting_requests", "stale_after": "5s"},
+        "tpot": {"source": "engines", "metric": "tpot_p95", "stale_after": "5s"},
+        "ttft": {"source": "engines", "metric": "ttft_p95", "stale_after": "5s"},
+    },
+}
+
+
+def policy(**auto: Any) -> Policy:
+    config: dict[str, Any] = {"min": 4, "max": 256, "signals": {"waiting": "waiting", "tpot_p95": "tpot",
+                                                                 "ttft_p95": "ttft"},
+                              "target": {"tpot_p95": "50ms", "ttft_p95": "1s"}}
+    config.update(auto)
+    return Policy.model_validate({
+        "lanes": [{"name": "interactive", "priority": 10, "max_inflight": 75, "max_queued": 100,
+                   "deadline": "60s"},
+                  {"name": "batch", "max_inflight": 25, "max_queued": 100, "deadline": "60s", "borrow": True,
+                   "max_borrow": 10}],
+        "classification": {"default_lane": "batch"},
+        "capacity": {"max_inflight": "auto", "auto": config},
+        "signals": SIGNALS,
+    })
+
+
+def readings(now: float, waiting: float | None = 0, tpot: float | None = 0.02,
+             ttft: float | None = 0.1) -> dict[str, Reading]:
+    values = {"waiting": waiting, "tpot": tpot, "ttft": ttft}
+    return {name: Reading(value, now) for name, value in values.items() if value is not None}
+
+
+def auto_of(p: Policy) -> AutoLimit:
+    assert p.capacity.auto is not None
+    return AutoLimit(p.capacity.auto, p.signals)
+
+
+def test_it_grows_only_while_there_is_headroom_and_the_limit_holds_traffic_back() -> None:
+    a = auto_of(policy())
+    assert a.limit == 4  # starts at min
+    assert a.update(readings(0), inflight=1, queued=0, now=0) is None  # nothing presses against it
+    move = a.update(readings(2), inflight=4, queued=0, now=2)
+    assert move is not None
+    assert (move.previous, move.limit, move.reason) == (4, 5, "headroom")
+    limits = [a.limit]
+    for t in range(4, 40, 2):
+        a.update(readings(t), inflight=a.limit, queued=0, now=t)
+        limits.append(a.limit)
+    assert limits == sorted(limits)
+    assert limits[-1] > 40  # consecutive growth speeds up (to +25 % a step)
+    assert all(b <= max(a_ * 1.25 + 1, a_ + 1) for a_, b in itertools.pairwise(limits))
+
+
+def test_moves_at_most_once_per_interval() -> None:
+    a = auto_of(policy(interval="2s"))
+    assert a.update(readings(0), 4, 0, 0) is not None
+    assert a.update(readings(1), 5, 0, 1) is None
+    assert a.update(readings(2), 5, 0, 2) is not None
+
+
+def test_an_engine_queue_takes_the_excess_off_at_once() -> None:
+    a = auto_of(policy(start=100))
+    move = a.update(readings(0, waiting=30), inflight=100, queued=50, now=0)
+    assert move is not None
+    assert (move.limit, move.reason) == (70, "engine_queue")
+    assert "queue 30" in move.why
+    # A huge queue cuts at most half at once, and never below min.
+    move = a.update(readings(2, waiting=1000), inflight=70, queued=50, now=2)
+    assert move is not None
+    assert move.limit == 35
+    for t in range(4, 40, 2):
+        a.update(readings(t, waiting=1000), 35, 0, t)
+    assert a.limit == 4
+
+
+def test_a_latency_over_target_cuts_in_proportion_then_waits_for_the_window() -> None:
+    a = auto_of(policy(start=100, cooldown="6s"))
+    move = a.update(readings(0, tpot=0.0625), inflight=100, queued=0, now=0)  # 50 / 62.5 = 0.8
+    assert move is not None
+    assert (move.limit, move.reason) == (80, "tpot")
+    assert a.update(readings(2, tpot=0.2), 80, 0, 2) is None  # within the cooldown: the p95 lags
+    move = a.update(readings(6, tpot=0.2), 80, 0, 6)
+    assert move is not None
+    assert move.limit == 40  # cut at most by half
+    move = a.update(readings(12, ttft=1.05), 40, 0, 12)
+    assert move is not None
+    assert (move.limit, move.reason) == (36, "ttft")  # at least 10 %
+
+
+def test_an_unreachable_target_stops_at_min_and_says_so() -> None:
+    a = auto_of(policy(start=8, cooldown=0, target={"tpot_p95": "1ms"}))
+    for t in range(0, 40, 2):
+        a.update(readings(t, tpot=0.02), 8, 0, t)
+    assert a.limit == 4
+    state = a.state()
+    assert state.unreachable is not None
+    assert "tpot_p95 20ms > target 1ms at min 4" in state.unreachable
+
+
+def test_stale_signals_hold_then_decay_to_min_and_say_so() -> None:
+    a = auto_of(policy(start=100, stale_hold="10s"))
+    a.update(readings(0), 50, 0, 0)
+    # Readings of t=0 go stale after 5 s.
+    for t in range(2, 12, 2):
+        a.update(readings(0), 50, 0, t)
+    assert a.limit == 100
+    assert a.state().stale
+    assert a.state().reason == "stale"
+    moves = [a.update(readings(0), 50, 0, t) for t in range(16, 120, 2)]
+    assert a.limit == 4
+    assert any(m is not None and "decaying to min 4" in m.why for m in moves)
+    # A fresh reading ends it.
+    a.update(readings(120), 4, 0, 120)
+    assert not a.state().stale
+
+
+def test_missing_signals_count_as_stale() -> None:
+    a = auto_of(policy(start=20, stale_hold="2s"))
+    assert a.update({}, 20, 0, 0) is None  # the first stale tick starts the hold
+    move = a.update({}, 20, 0, 2)
+    assert move is not None
+    assert move.reason == "stale"
+
+
+def test_reload_keeps_the_learned_limit_inside_the_new_bounds() -> None:
+    p = policy(start=100)
+    a = auto_of(p)
+    q = policy(start=10, max=50)
+    assert q.capacity.auto is not None
+    move = a.reconfigure(q.capacity.auto, q.signals, 5)
+    assert move is not None
+    assert (move.limit, move.reason) == (50, "reload")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 500), st.floats(0, 2), st.floats(0, 20), st.integers(0, 400),
+                          st.booleans()), max_size=60),
+       st.integers(1, 50), st.integers(0, 200))
+def test_the_limit_never_leaves_its_bounds(steps: list[tuple[float, float, float, int, bool]], lo: int,
+                                           span: int) -> None:
+    a = auto_of(policy(min=lo, max=lo + span, cooldown=0))
+    t = 0.0
+    for waiting, tpot, ttft, inflight, fresh in steps:
+        t += 2
+        a.update(readings(t if fresh else 0, waiting, tpot, ttft), inflight, 0, t)
+        assert lo <= a.limit <= lo + span
+
+
+def test_size_makes_lanes_shares_of_the_limit() -> None:
+    p = policy()
+    sized = size(p, 40)
+    assert sized.capacity.max_inflight == 40
+    assert [lane.max_inflight for lane in sized.lanes] == [30, 10]
+    assert sized.lane("batch").max_borrow == 4
+    assert size(size(p, 40), 80) == size(p, 40)  # a sized policy is concrete: left as it is
+    tiny = size(p, 1)
+    assert [lane.max_inflight for lane in tiny.lanes] == [1, 1]  # never below one slot
+
+
+def test_the_gatekeeper_enforces_the_limit_it_moves_to() -> None:
+    gate = Gatekeeper(policy(start=4, interval="1s"))
+    assert gate.policy.total_capacity == 4
+    admitted = [gate.submit("interactive", "t", job(), 0).decision for _ in range(10)]
+    assert sum(d.outcome.value == "admitted" for d in admitted) == 3  # 75 % of 4
+    result = gate.on_signals(readings(1), 1)
+    assert result.move is not None
+    assert result.move.limit == 5
+    assert gate.policy.total_capacity == 5
+    assert gate.policy.lane("interactive").max_inflight == 4
+    assert [d.outcome.value for d in result.decisions] == ["admitted"]  # a queued request starts
+    # The engine queues: the limit falls; nothing running is cut short.
+    result = gate.on_signals(readings(3, waiting=3), 3)
+    assert result.move is not None
+    assert gate.policy.total_capacity == 4
+    assert gate.scheduler.total_inflight == 4
+
+
+def test_fleet_managed_moves_are_proposals_until_set_limit() -> None:
+    gate = Gatekeeper(policy(start=4))
+    gate.fleet_managed = True
+    for _ in range(4):
+        gate.submit("interactive", "t", job(), 0)
+    result = gate.on_signals(readings(2), 2)
+    assert result.move is not None
+    assert gate.policy.total_capacity == 4  # not yet enforced
+    gate.set_limit(9, 2)
+    assert gate.policy.total_capacity == 9
+    assert gate.auto is not None
+    assert gate.auto.limit == 9  # the fleet's value, adopted
+
+
+def test_shadow_computes_but_enforces_the_number() -> None:
+    p = Policy.model_validate({**policy().model_dump(exclude_unset=True), "capacity": {
+        "max_inflight": 100, "auto": {**policy().capacity.auto.model_dump(exclude_unset=True), "shadow": True}}})  # type: ignore[union-attr]
+    gate = Gatekeeper(p)
+    for _ in range(4):
+        gate.submit("interactive", "t", job(), 0)
+    result = gate.on_signals(readings(2), 2)
+    assert result.move is not None
+    assert gate.policy.total_capacity == 100
+    assert gate.auto is not None
+    assert gate.auto.limit == 5
+
+
+BASE = """
+lanes:
+  - {name: a, max_inflight: 3, max_queued: 4, deadline: 1s}
+classification: {default_lane: a}
+signals:
+  sources: {e: {scrape: {targets: ["http://127.0.0.1:8000/metrics"], interval: 1s}}}
+  read: {w: {source: e, preset: waiting_requests, stale_after: 5s}}
+"""
+
+
+@pytest.mark.parametrize(("capacity", "message"), [
+    ("{max_inflight: auto}", "capacity.auto: required with capacity.max_inflight: auto"),
+    ("{max_inflight: 8, auto: {max: 9, signals: {waiting: w}}}",
+     "set capacity.max_inflight: auto to enforce"),
+    ("{max_inflight: auto, auto: {max: 9, shadow: true, signals: {waiting: w}}}",
+     "shadow mode enforces a number"),
+    ("{max_inflight: auto, auto: {max: 9, signals: {waiting: nope}}}",
+     "capacity.auto.signals.waiting: unknown signal 'nope', expected one of ['w']"),
+    ("{max_inflight: auto, auto: {max: 9}}", "name at least one of waiting, ttft_p95, tpot_p95"),
+    ("{max_inflight: auto, auto: {max: 9, signals: {waiting: w}, target: {tpot_p95: 50ms}}}",
+     "capacity.auto.target.tpot_p95: needs capacity.auto.signals.tpot_p95"),
+    ("{max_inflight: auto, auto: {min: 10, max: 9, signals: {waiting: w}}}",
+     "min (10) must not exceed max (9)"),
+    ("{max_inflight: auto, auto: {max: 9, start: 20, signals: {waiting: w}}}", "start (20) must lie within"),
+    ("{max_inflight: automatic}", "a whole number of slots or auto"),
+    ("{max_inflight: 0}", "greater than or equal to 1"),
+])
+def test_bad_auto_settings_are_clear_errors(capacity: str, message: str) -> None:
+    with pytest.raises(PolicyError) as err:
+        parse_policy(BASE + f"capacity: {capacity}\n", "p.yaml")
+    assert message in str(err.value)
+
+
+def test_a_good_auto_policy_loads() -> None:
+    p = parse_policy(BASE + "capacity: {max_inflight: auto, auto: {min: 2, max: 9, signals: {waiting: w}}}\n",
+                     "p.yaml")
+    assert p.auto_capacity
+    assert p.total_capacity == 2
