@@ -85,10 +85,19 @@ def _cmd_policy_check(args: argparse.Namespace) -> int:
                 print(f"  {problem}")
             status = 1
             continue
-        lanes = ", ".join(f"{lane.name} ({lane.max_inflight} in flight, {lane.max_queued} queued)"
-                          for lane in policy.lanes)
+        auto = policy.capacity.auto
+        share = "% of the limit" if policy.auto_capacity else " in flight"
+        total = sum(lane.max_inflight for lane in policy.lanes)
+        shares = [round(100 * lane.max_inflight / total) if policy.auto_capacity else lane.max_inflight
+                  for lane in policy.lanes]
+        lanes = ", ".join(f"{lane.name} ({n}{share}, {lane.max_queued} queued)"
+                          for lane, n in zip(policy.lanes, shares, strict=True))
         count = f"{len(policy.lanes)} lane{'s' if len(policy.lanes) > 1 else ''}"
-        print(f"{path}: ok — {count}: {lanes}; capacity {policy.total_capacity}")
+        capacity = (f"auto in [{auto.min}, {auto.max}]" if policy.auto_capacity and auto is not None
+                    else str(policy.total_capacity))
+        if auto is not None and auto.shadow:
+            capacity += f" (auto in [{auto.min}, {auto.max}] in shadow)"
+        print(f"{path}: ok — {count}: {lanes}; capacity {capacity}")
     return status
 
 

@@ -5,16 +5,19 @@ policy's ``[min, max]``, and moves it at most once per ``interval`` from three e
 (each optional): the requests waiting in the engines' own queues, TTFT p95 and time per output
 token (TPOT) p95.
 
-* **Fall fast.** An engine queue above ``target.queue`` means the limit lets more requests in
-  than the engines run at once: the excess is taken off at once (limit − (waiting − queue),
-  but at most half of it in one move). A latency percentile above its target cuts the limit in
-  proportion (target / observed, between ×0.5 and ×0.9). Percentiles look back over a window,
-  so after a fall they may not cut again for ``cooldown``; the queue always may (it is a gauge).
+* **Fall fast.** An engine queue above ``target.queue`` (seen on two ticks running, or four
+  times over at once) means the limit lets more requests in than the engines run at once: the
+  limit drops to what runs now, less the excess (min(limit, in flight) − (waiting − queue)), at
+  most halving in one move. A latency percentile above its target cuts the limit in proportion
+  (target / observed, between ×0.5 and ×0.9). Percentiles look back over a window, so after a
+  fall they may not cut again for ``cooldown``; the queue always may (it is a gauge).
 * **Grow carefully.** Only while every fresh signal has headroom (no engine queue beyond the
   target, latencies below 90 % of their targets) *and* the limit is what holds traffic back
-  (in flight ≥ 90 % of the limit, or requests queue in extproc): +5 % (at least one slot) per
-  interval, a step that doubles with each consecutive growth up to +25 %, and falls back to +5 %
-  after any fall. A limit that nothing presses against never drifts up.
+  (in flight ≥ 90 % of the limit, or ≥ 75 % while requests queue in extproc): a limit far above
+  what runs is not grown further (it would only let a burst flood the engines). Until the first
+  fall it doubles per interval (a slow start, as TCP's: from ``min`` to hundreds in seconds); after that +5 %
+  (at least one slot) per interval, a step that doubles with each consecutive growth up to +25 %
+  and falls back to +5 % after any fall. A limit that nothing presses against never drifts up.
 * **Stale or missing signals.** With no fresh signal the last limit holds for ``stale_hold``,
   then decays by 10 % per interval to ``min``; the state says so.
 * **Unreachable targets** (a TPOT of 1 ms): the limit stops at ``min`` and the state says the
@@ -41,8 +44,12 @@ from extproc.policy.signals import Signals
 _MAX_CUT, _CUT_FLOOR, _CUT_CEILING = 0.5, 0.5, 0.9
 #: Growth per interval: first step, largest step (consecutive growths double it up to this).
 _GROW_FIRST, _GROW_MAX = 0.05, 0.25
-#: Headroom: latencies below this share of their target; pressure: in flight at this share.
-_HEADROOM, _PRESSED = 0.9, 0.9
+#: Headroom: latencies below this share of their target. Pressure: in flight at _PRESSED of the
+#: limit, or at _PRESSED_QUEUED of it while requests queue in extproc (a lane at its share).
+_HEADROOM, _PRESSED, _PRESSED_QUEUED = 0.9, 0.9, 0.75
+#: An engine queue this many times the target (+1) is acted on at once; a smaller one only when
+#: the previous tick saw one too (a request that arrived just before the sample waits one step).
+_CLEAR_QUEUE = 4
 #: Decay per interval once stale signals outlast stale_hold.
 _DECAY = 0.9
 
@@ -96,6 +103,8 @@ class AutoLimit:
         self._last_tick: float | None = None
         self._last_cut: float = -math.inf
         self._growth = _GROW_FIRST
+        self._slow_start = True
+        self._queueing = False
         self._stale_since: float | None = None
         self._values: dict[str, float | None] = {}
         self._unreachable: str | None = None
@@ -143,9 +152,14 @@ class AutoLimit:
         auto, before = self.auto, self.limit
         target = auto.target
         waiting = fresh.get("waiting")
-        if waiting is not None and waiting > target.queue:
+        queueing = waiting is not None and waiting > target.queue
+        persistent = waiting is not None and queueing and (
+            self._queueing or waiting > _CLEAR_QUEUE * (target.queue + 1))
+        self._queueing = queueing
+        if waiting is not None and persistent:
             excess = waiting - target.queue
-            self._value = max(float(auto.min), self._value - min(excess, self._value * _MAX_CUT))
+            running = min(self._value, float(inflight))
+            self._value = max(float(auto.min), running - excess, self._value * (1 - _MAX_CUT))
             self._cut(now)
             return self._moved(before, now, "engine_queue",
                                f"the engines queue {waiting:g} requests (target {target.queue})")
@@ -170,11 +184,17 @@ class AutoLimit:
             or value < goal * _HEADROOM
             for role in ("ttft_p95", "tpot_p95")
         )
-        pressed = inflight >= _PRESSED * self._value or queued > 0
+        pressed = inflight >= _PRESSED * self._value or (
+            queued > 0 and inflight >= _PRESSED_QUEUED * self._value)
+        if queueing:
+            return None  # one sample of a queue: neither grow nor fall until the next tick says
         if not headroom or not pressed or self._value >= auto.max:
             return None
-        self._value = min(float(auto.max), max(self._value * (1 + self._growth), self._value + 1))
-        self._growth = min(self._growth * 2, _GROW_MAX)
+        if self._slow_start:
+            self._value = min(float(auto.max), self._value * 2)
+        else:
+            self._value = min(float(auto.max), max(self._value * (1 + self._growth), self._value + 1))
+            self._growth = min(self._growth * 2, _GROW_MAX)
         seen = ", ".join(f"{role} {_fmt(role, fresh[role])}" for role in sorted(fresh))
         return self._moved(before, now, "headroom", f"headroom: {seen}")
 
@@ -208,6 +228,7 @@ class AutoLimit:
         return self._moved(before, now, "stale", why)
 
     def _cut(self, now: float) -> None:
+        self._slow_start = False
         self._last_cut = now
         self._growth = _GROW_FIRST
 

@@ -5,8 +5,11 @@ Three parts, each referring to the one before by name:
 * ``sources``: a Prometheus HTTP API to run PromQL against, or model servers to scrape
   directly (``/metrics`` of vLLM, SGLang, TensorRT-LLM, Triton, TGI), each on an interval;
 * ``read``: named signals, one number each: a PromQL query on a prometheus source, or a
-  metric (or an engine-neutral ``preset``) aggregated across a scrape source's targets;
-  each with a staleness limit and what to do when it is stale;
+  metric (or an engine-neutral ``preset``) aggregated across a scrape source's targets, or,
+  with ``quantile``, a percentile of a histogram's observations during the last ``window``
+  (summed over the targets, as ``histogram_quantile(q, sum by (le) (increase(x_bucket[w])))``
+  would compute it; see :class:`Signal`); each with a staleness limit and what to do when it
+  is stale;
 * ``saturation``: rules with hysteresis; while one is active it sheds whole lanes and/or
   shrinks lanes' in-flight limits.
 
@@ -19,9 +22,9 @@ from __future__ import annotations
 
 import urllib.parse
 from collections.abc import Collection
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from extproc.policy.fields import Duration
 
@@ -39,15 +42,28 @@ Threshold = Annotated[float, Field(allow_inf_nan=False)]
 
 Aggregate = Literal["max", "min", "sum", "avg"]
 OnStale = Literal["ignore", "saturated", "hold"]
-Preset = Literal["kv_cache_usage", "waiting_requests", "running_requests"]
+#: Presets that name a gauge: one number per series, read as it is.
+GaugePreset = Literal["kv_cache_usage", "waiting_requests", "running_requests"]
+#: How far back a quantile looks when ``window`` is not given (seconds).
+DEFAULT_WINDOW = 30.0
+
+#: Presets that name a histogram: read only as a percentile (``quantile``) over a ``window``.
+HistogramPreset = Literal["ttft_seconds", "inter_token_latency_seconds"]
+Preset = Literal[GaugePreset, HistogramPreset]
 Kind = Literal["gauge", "kv_cache_utilization"]
 
+GAUGE_PRESETS: frozenset[str] = frozenset(get_args(GaugePreset))
+HISTOGRAM_PRESETS: frozenset[str] = frozenset(get_args(HistogramPreset))
+
 #: How a preset combines the series of several engines/targets unless ``aggregate`` says otherwise:
-#: the fullest KV cache is the one that preempts first; queues and batches add up.
+#: the fullest KV cache is the one that preempts first; queues and batches add up; a histogram's
+#: bucket counts add up over every target before its quantile is taken (and cannot be told otherwise).
 PRESET_AGGREGATE: dict[Preset, Aggregate] = {
     "kv_cache_usage": "max",
     "waiting_requests": "sum",
     "running_requests": "sum",
+    "ttft_seconds": "sum",
+    "inter_token_latency_seconds": "sum",
 }
 
 
@@ -138,19 +154,38 @@ class Source(_Strict):
 
 class Signal(_Strict):
     """One number read from a source. A prometheus source needs ``query``; a scrape source
-    needs ``metric`` or ``preset`` (plus optional ``labels`` to match and ``aggregate``)."""
+    needs ``metric`` or ``preset`` (plus optional ``labels`` to match and ``aggregate``).
+
+    With ``quantile`` (scrape sources only), ``metric`` or ``preset`` names a *histogram* by its
+    base name (``vllm:time_to_first_token_seconds``, not ``..._bucket``) and the signal is the
+    q-quantile of the observations made during the last ``window``, over every target and every
+    series that matches ``labels``: what Prometheus answers to
+    ``histogram_quantile(q, sum by (le) (increase(x_bucket[window])))``. Linear interpolation
+    within the bucket; a quantile in the +Inf bucket is the highest finite bound; a bucket count
+    that goes down (a restarted engine) counts its new value as the increase. A window without
+    observations (an idle fleet) has no quantile: the reading fails with ``no_data`` and the last
+    value ages out after ``stale_after`` like any other missing reading.
+    """
 
     source: Name
     query: Annotated[str, Field(min_length=1, max_length=16_384)] | None = None
     """PromQL instant query that returns one number: a scalar or a vector of one series."""
     metric: Annotated[str, Field(pattern=_METRIC)] | None = None
-    """Sample name as exposed, e.g. vllm:num_requests_waiting (counters keep their _total)."""
+    """Sample name as exposed, e.g. vllm:num_requests_waiting (counters keep their _total); with
+    ``quantile`` the histogram's base name, e.g. vllm:time_to_first_token_seconds."""
     preset: Preset | None = None
-    """Engine-neutral name; resolved per target to whichever engine metric that target exposes."""
+    """Engine-neutral name; resolved per target to whichever engine metric that target exposes.
+    ttft_seconds and inter_token_latency_seconds are histograms and need ``quantile``."""
     labels: dict[Annotated[str, Field(pattern=_LABEL)], str] = Field(default_factory=dict)
     """Only series whose labels have exactly these values."""
     aggregate: Aggregate | None = None
-    """How the matching series of all targets become one number (default: max; presets choose)."""
+    """How the matching series of all targets become one number (default: max; presets choose).
+    Not with ``quantile``: a histogram's buckets always add up."""
+    quantile: Annotated[float, Field(gt=0, lt=1)] | None = Field(default=None, validate_default=True)
+    """Read a histogram as this quantile of its recent observations (0.95: the 95th percentile)."""
+    window: Annotated[Seconds, Field(ge=1, le=3600)] | None = None
+    """With ``quantile``: the observations of this last stretch of time count (default 30s). It must
+    be above the source's interval (a few intervals are better: the first scrape in it is the baseline)."""
     stale_after: Annotated[Seconds, Field(gt=0, le=86_400)] = 30.0
     """The signal is stale when no good reading came for this long."""
     on_stale: OnStale = "ignore"
@@ -160,10 +195,44 @@ class Signal(_Strict):
     """kv_cache_utilization also exports it as inference_kv_cache_utilization (default for the
     kv_cache_usage preset)."""
 
+    @field_validator("quantile")
+    @classmethod
+    def _quantile(cls, value: float | None, info: ValidationInfo) -> float | None:
+        preset = info.data.get("preset")
+        if value is None:
+            if preset in HISTOGRAM_PRESETS:
+                raise ValueError(f"preset {preset!r} is a histogram: give the quantile to read, e.g. 0.95")
+            return value
+        if preset in GAUGE_PRESETS:
+            raise ValueError(f"preset {preset!r} is a gauge, not a histogram; quantile is only for a "
+                             f"histogram metric or preset ({', '.join(sorted(HISTOGRAM_PRESETS))})")
+        if info.data.get("aggregate") is not None:
+            raise ValueError("give aggregate or quantile, not both: a quantile adds up the buckets of "
+                             "every target")
+        return value
+
+    @field_validator("window")
+    @classmethod
+    def _window(cls, value: float | None, info: ValidationInfo) -> float | None:
+        # Only runs when window is given; a quantile that failed its own check is not in data.
+        if value is not None and "quantile" in info.data and info.data["quantile"] is None:
+            raise ValueError("only for a signal with quantile (the time its observations count)")
+        return value
+
+    @property
+    def span(self) -> float:
+        """The window a quantile looks back over (``window``, default 30 s)."""
+        return self.window if self.window is not None else DEFAULT_WINDOW
+
     @model_validator(mode="after")
     def _metric_or_preset(self) -> Signal:
         if self.metric is not None and self.preset is not None:
             raise ValueError("give metric or preset, not both")
+        if self.quantile is not None and self.metric is not None and self.metric.endswith("_bucket"):
+            raise ValueError(f"with quantile, metric names the histogram without _bucket: "
+                             f"{self.metric.removesuffix('_bucket')!r}")
+        if self.quantile is not None and "le" in self.labels:
+            raise ValueError("a quantile reads every bucket of a series; labels cannot select le")
         return self
 
     @property
@@ -174,9 +243,11 @@ class Signal(_Strict):
 
     @property
     def how(self) -> Aggregate:
-        """The aggregation a scrape source applies."""
+        """The aggregation a scrape source applies (``sum`` for a quantile: its buckets add up)."""
         if self.aggregate is not None:
             return self.aggregate
+        if self.quantile is not None:
+            return "sum"
         return PRESET_AGGREGATE[self.preset] if self.preset is not None else "max"
 
 
@@ -241,6 +312,9 @@ def problems(signals: Signals, lanes: set[str]) -> list[str]:
                 if getattr(signal, key) is not None:
                     out.append(f"{at}.{key}: only for scrape sources; {signal.source!r} is a prometheus "
                                f"source (select and aggregate in the query)")
+            if signal.quantile is not None:
+                out.append(f"{at}.quantile: only for scrape sources; {signal.source!r} is a prometheus "
+                           f"source (use histogram_quantile in the query)")
             if signal.labels:
                 out.append(f"{at}.labels: only for scrape sources; {signal.source!r} is a prometheus "
                            f"source (match labels in the query)")
@@ -250,6 +324,11 @@ def problems(signals: Signals, lanes: set[str]) -> list[str]:
                            f"give metric or preset")
             elif signal.metric is None and signal.preset is None:
                 out.append(f"{at}.metric: a signal on scrape source {signal.source!r} needs metric or preset")
+            if signal.quantile is not None and signal.span <= origin.interval:
+                out.append(
+                    f"{at}.window: {_seconds_text(signal.span)} is not above source {signal.source!r}'s "
+                    f"interval ({_seconds_text(origin.interval)}); the window would not hold two scrapes"
+                )
         if signal.stale_after <= origin.interval:
             out.append(
                 f"{at}.stale_after: {_seconds_text(signal.stale_after)} is not above source "

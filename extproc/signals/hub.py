@@ -2,7 +2,11 @@
 
 How this works: one asyncio task per source, all sharing one HTTP session. A round of a
 prometheus source runs its signals' queries concurrently; a round of a scrape source
-fetches each target once and reads every signal of that source from the same pages.
+fetches each target once and reads every signal of that source from the same pages. A
+signal with ``quantile`` also needs the pages of earlier rounds: its
+:class:`~extproc.signals.scrape.HistogramWindow` lives here as long as the signal's
+definition does. Its first round only sets the baseline and gives no reading (the signal
+is then "never read", not failing); a window without observations fails with ``no_data``.
 Each signal's reading is replaced by a good one or keeps its last good value with the
 error beside it, so staleness is judged by age alone. After every round ``on_change`` is
 called with all readings and the time, which is where the caller updates
@@ -64,6 +68,7 @@ class SignalHub:
         self._watched_since: dict[str, float] = {}
         self._failing: dict[str, ErrorKind] = {}
         self._target_up: dict[tuple[str, str], bool] = {}
+        self._windows: dict[str, scrape.HistogramWindow] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._retired: set[asyncio.Task[None]] = set()
         self._session: aiohttp.ClientSession | None = None
@@ -112,6 +117,7 @@ class SignalHub:
                 continue
             # A changed definition is another signal under the same name: start over.
             self._readings.pop(name, None)
+            self._windows.pop(name, None)
             self._failing.pop(name, None)
             self._watched_since.pop(name, None)
             for kind in ErrorKind:
@@ -211,7 +217,8 @@ class SignalHub:
                 return exc
 
         results = await asyncio.gather(*(page(url) for url in config.targets))
-        pages: list[scrape.Page] = []
+        now = self._clock()
+        pages: dict[str, scrape.Page] = {}
         errors: list[SignalError] = []
         for url, result in zip(config.targets, results, strict=True):
             up = not isinstance(result, SignalError)
@@ -224,7 +231,7 @@ class SignalHub:
             if isinstance(result, SignalError):
                 errors.append(result)
             else:
-                pages.append(result)
+                pages[url] = result
         for signal_name, signal in signals.items():
             if not pages:
                 first = errors[0]
@@ -233,7 +240,18 @@ class SignalHub:
                 self._failed(signal_name, signal, error)
                 continue
             try:
-                value = scrape.read(signal, pages)
+                if signal.quantile is not None:
+                    if not self._current(signal_name, signal):
+                        continue
+                    window = self._windows.get(signal_name)
+                    if window is None or window.signal != signal:
+                        window = self._windows[signal_name] = scrape.HistogramWindow(signal)
+                    window.observe(now, pages, config.targets)
+                    value = window.value()
+                    if value is None:  # only the baseline so far
+                        continue
+                else:
+                    value = scrape.read(signal, list(pages.values()))
             except SignalError as exc:
                 self._failed(signal_name, signal, exc)
             else:

@@ -11,13 +11,24 @@ finishes; in between it sends the tokens made so far every ``stream_interval`` s
 client that goes away is cancelled in the engine, freeing its slot and KV cache.
 
 ``/metrics`` carries vLLM's own metric names so dashboards, PromQL signals and
-extproc's scraper work the same against this server and a real vLLM.
+extproc's scraper work the same against this server and a real vLLM. Inter-token latency
+(``vllm:inter_token_latency_seconds``, and the same observations under V0's
+``vllm:time_per_output_token_seconds``) is observed as vLLM does, once per token after a
+request's first, the time since its previous token as the engine makes them (chunks of a
+stream may bunch several): the engine reports a run of identical steps as one (interval,
+count) pair, so a 2000-token answer costs a few bucket updates, not 2000.
+
+``--capacity-schedule T:F,…`` runs the engine at fraction F of its profile from T seconds of
+wall-clock time after the server starts (see :mod:`extproc.sim.engine` for what a fraction
+means). The engine's clock is the event loop's (the time scale multiplies costs, not the
+clock), so T is applied as engine time ``start + T``; ``sim_capacity_fraction`` shows it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import contextlib
 import itertools
 import json
@@ -25,19 +36,21 @@ import math
 import random
 import signal
 import sys
+import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from extproc.settings import Address
-from extproc.sim.engine import Engine, Event, Finished, FirstToken, RequestRejected
+from extproc.sim.engine import Engine, Event, Finished, FirstToken, RequestRejected, parse_capacity_schedule
 from extproc.sim.profiles import PROFILES, Profile, get_profile
 
 log = structlog.get_logger("extproc.sim")
@@ -56,6 +69,8 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+               20.0, 40.0, 80.0)
 
 _WORDS = (" The", " quick", " brown", " fox", " jumps", " over", " the", " lazy", " dog", " again")
 
@@ -122,6 +137,20 @@ class LiveEngine:
         if handle.req_id in self.engine:
             return self.engine.progress(handle.req_id)
         return handle.output_tokens if handle.finished.done() else 0
+
+    def set_capacity(self, fraction: float, at: float | None = None) -> None:
+        """Run the engine at ``fraction`` of its profile from now (or ``at``, a loop time already reached)."""
+        if at is not None:
+            self._now = max(self._now, at)
+        try:
+            self.engine.set_capacity(fraction, self._time())
+            self.sync()
+        except Exception as exc:  # as in _fire: a bug in the model must not leave requests hanging
+            log.exception("engine failed")
+            self.close(exc)
+            return
+        log.info("sim capacity changed", fraction=fraction, max_running=self.engine.max_running,
+                 kv_cache_tokens=self.engine.kv_capacity_tokens)
 
     def sync(self) -> None:
         """Advance the engine to now, resolve what happened, re-arm the timer."""
@@ -190,9 +219,44 @@ class _EngineCollector(Collector):
                                labels=labels), self._engine.kv_usage),
             (CounterMetricFamily("vllm:num_preemptions", "Cumulative number of preemptions from the engine.",
                                  labels=labels), self._engine.preemptions),
+            # Not a vLLM metric: what --capacity-schedule set (1 = the whole profile).
+            (GaugeMetricFamily("sim_capacity_fraction",
+                               "Fraction of its profile's capacity the simulated engine runs at.",
+                               labels=labels), self._engine.capacity),
         ]
         for family, value in families:
             family.add_metric([self._model], value)
+            yield family
+
+
+class _TokenIntervals(Collector):
+    """vLLM's inter-token latency histogram, observed in bulk: ``count`` intervals of one length at once."""
+
+    NAMES = (
+        ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds."),
+        # vLLM V0's name for the same observations; dashboards written for it keep working.
+        ("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds."),
+    )
+
+    def __init__(self, model_name: str) -> None:
+        self._model = model_name
+        self._lock = threading.Lock()  # a scrape may come from another thread than the engine's
+        self._counts = [0] * (len(ITL_BUCKETS) + 1)  # the last is +Inf
+        self._sum = 0.0
+
+    def observe(self, seconds: float, count: int = 1) -> None:
+        with self._lock:
+            self._counts[bisect.bisect_left(ITL_BUCKETS, seconds)] += count  # le: the bound is inclusive
+            self._sum += seconds * count
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            cumulative = list(itertools.accumulate(self._counts))
+            total = self._sum
+        bounds = [*map(floatToGoString, ITL_BUCKETS), "+Inf"]
+        for name, documentation in self.NAMES:
+            family = HistogramMetricFamily(name, documentation, labels=["model_name"])
+            family.add_metric([self._model], list(zip(bounds, cumulative, strict=True)), sum_value=total)
             yield family
 
 
@@ -216,6 +280,9 @@ class BackendMetrics:
                                 ["model_name", "finished_reason"], registry=registry)
         self._model = model_name
         registry.register(_EngineCollector(engine, model_name))
+        self.intervals = _TokenIntervals(model_name)
+        registry.register(self.intervals)
+        engine.on_interval = self.intervals.observe
 
     def observe(self, event: Event, handle: Handle) -> None:
         if isinstance(event, FirstToken):
@@ -524,8 +591,13 @@ async def _errors(request: web.Request,
 
 
 def build_app(profile: Profile, *, time_scale: float = 1.0, seed: int = 0, model_name: str | None = None,
-              registry: CollectorRegistry | None = None, stream_interval: float = 0.05) -> web.Application:
-    """The backend as an aiohttp application (run it with ``handler_cancellation=True`` ideally)."""
+              registry: CollectorRegistry | None = None, stream_interval: float = 0.05,
+              capacity_schedule: Sequence[tuple[float, float]] = ()) -> web.Application:
+    """The backend as an aiohttp application (run it with ``handler_cancellation=True`` ideally).
+
+    ``capacity_schedule`` is ((T, F), …) as :func:`~extproc.sim.engine.parse_capacity_schedule`
+    returns it: from T seconds after the application starts, the engine runs at fraction F.
+    """
     registry = registry if registry is not None else CollectorRegistry()
     name = model_name or profile.model
     engine = Engine(profile, time_scale)
@@ -535,10 +607,23 @@ def build_app(profile: Profile, *, time_scale: float = 1.0, seed: int = 0, model
                       int(time.time()))
     app = web.Application(middlewares=[_errors], client_max_size=32 * 1024 * 1024)
     app[BACKEND] = backend
+    timers: list[asyncio.TimerHandle] = []
+
+    async def start_schedule(_: web.Application) -> None:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        for at, fraction in capacity_schedule:
+            if at <= 0:
+                live.set_capacity(fraction)
+            else:
+                timers.append(loop.call_at(start + at, live.set_capacity, fraction, start + at))
 
     async def close(_: web.Application) -> None:
+        for timer in timers:
+            timer.cancel()
         live.close()
 
+    app.on_startup.append(start_schedule)
     app.on_cleanup.append(close)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
@@ -550,13 +635,14 @@ def build_app(profile: Profile, *, time_scale: float = 1.0, seed: int = 0, model
 
 async def serve(host: str, port: int, profile_name: str, time_scale: float = 1.0, seed: int = 0,
                 model_name: str | None = None, *, stream_interval: float = 0.05,
-                stop: asyncio.Event | None = None) -> None:
+                stop: asyncio.Event | None = None,
+                capacity_schedule: Sequence[tuple[float, float]] = ()) -> None:
     """Run the backend until ``stop`` is set or the process gets SIGTERM/SIGINT.
 
     Raises ValueError for an unknown profile and OSError if the address cannot be bound.
     """
     app = build_app(get_profile(profile_name), time_scale=time_scale, seed=seed, model_name=model_name,
-                    stream_interval=stream_interval)
+                    stream_interval=stream_interval, capacity_schedule=capacity_schedule)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -570,7 +656,8 @@ async def serve(host: str, port: int, profile_name: str, time_scale: float = 1.0
         # dropped SYNs are retried only after a second, which would look like queueing.
         await web.TCPSite(runner, host, port, backlog=2048).start()
         log.info("sim backend listening", addresses=[str(a) for a in runner.addresses], profile=profile_name,
-                 model=app[BACKEND].model_name, time_scale=time_scale)
+                 model=app[BACKEND].model_name, time_scale=time_scale,
+                 capacity_schedule=",".join(f"{t:g}:{f:g}" for t, f in capacity_schedule) or None)
         await stop.wait()
     finally:
         await runner.cleanup()
@@ -597,6 +684,13 @@ def _positive(text: str) -> float:
     return value
 
 
+def _schedule(text: str) -> tuple[tuple[float, float], ...]:
+    try:
+        return parse_capacity_schedule(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", choices=sorted(PROFILES), default="llama-8b-h100",
                         help="model/hardware timing profile (default %(default)s)")
@@ -609,6 +703,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model id to serve (default: the profile's model)")
     parser.add_argument("--stream-interval", type=_positive, default=0.05, metavar="SECONDS",
                         help="at most one SSE chunk per stream per interval, between first and last token")
+    parser.add_argument("--capacity-schedule", type=_schedule, default=(), metavar="T:F[,T:F...]",
+                        help="from T seconds (wall clock) after start, run the engine at fraction F "
+                             "(0 < F ≤ 1) of the profile: KV cache and batch slots × F, steps 1/F as long, "
+                             "as after losing a GPU of a tensor-parallel group; e.g. 60:0.5,120:1 "
+                             "(before the first T: 1)")
     parser.add_argument("--log-format", choices=["json", "console"], default="json")
     parser.add_argument("--log-level", default="info")
 
@@ -623,7 +722,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         asyncio.run(serve(args.listen.host, args.listen.port, args.profile, args.time_scale, args.seed,
-                          args.model_name, stream_interval=args.stream_interval))
+                          args.model_name, stream_interval=args.stream_interval,
+                          capacity_schedule=args.capacity_schedule))
     except OSError as exc:
         print(f"extproc: cannot listen on {args.listen}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_STARTUP

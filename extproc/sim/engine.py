@@ -21,12 +21,37 @@ wall clock) and in the what-if simulator (virtual clock).
 KV usage is counted in tokens: a running sequence holds its prompt plus the
 tokens generated so far. A decoding sequence's share grows by one token per
 step, so the total is kept as ``fixed + decoding × steps`` and never summed.
+
+Capacity (``set_capacity(F, now)``, 0 < F ≤ 1) models losing part of the hardware — a GPU
+gone from a tensor-parallel group — or a noisy neighbour. At fraction F the KV cache and the
+running-sequence cap are ``floor(F × the profile's)`` (never below one ``max_model_len``
+request plus a block of KV, nor below one sequence), and every step takes 1/F as long
+(prefill included; the per-step token budget is unchanged). The change takes effect at the
+first step boundary at or after ``now``: a step the GPU is already running finishes as
+planned. At that boundary the scheduler preempts the newest sequences until the batch fits
+the new caps, by the same recompute preemption as a KV overflow (back to the head of the
+waiting queue, counted in ``preemptions``); nothing is lost or emitted twice. ``F = 1``
+restores the profile exactly. :func:`parse_capacity_schedule` reads ``T:F,…`` schedules.
+
+Recent latencies (``recent_ttft_p95``, ``recent_itl_p95``) come from a bounded record of the
+last ``LATENCY_HISTORY_S`` seconds, so a caller on a virtual clock gets what
+``histogram_quantile(0.95, rate(…[window]))`` over vLLM's histograms would give, without the
+buckets: TTFT once per request at its first token (``vllm:time_to_first_token_seconds``), and
+inter-token latency (ITL) once per generated token after a request's first, the time since
+that request's previous token (``vllm:inter_token_latency_seconds``). A decoding sequence
+sees one ITL of the step's length per step, so a prefill chunk sharing the step stretches
+its ITL; a sequence preempted and recomputed sees one long ITL, from its last token before
+the preemption to the first after its prefill is redone. A run of identical steps is one
+record (length, steps, sequences), so the cost stays per event, not per token. Percentiles
+are nearest-rank (the smallest sample with at least 95 % of the samples at or below it).
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from extproc.sim.profiles import Profile
@@ -59,8 +84,56 @@ class RequestRejected(ValueError):
     """The engine can never run this request (too long for the model, bad lengths)."""
 
 
+#: How far back the latency record reaches (engine seconds), and at most how many records it keeps.
+LATENCY_HISTORY_S = 600.0
+LATENCY_RECORDS = 100_000
+#: A capacity fraction is floored after this tolerance, so 0.29 × 100 slots is 29, not 28.
+_FLOOR_TOLERANCE = 1e-9
+
+#: Called with (seconds, count): ``count`` inter-token intervals of ``seconds`` each were made.
+IntervalObserver = Callable[[float, int], None]
+
+
+def parse_capacity_schedule(text: str) -> tuple[tuple[float, float], ...]:
+    """Parse ``T:F[,T:F…]`` (seconds ≥ 0 strictly increasing, fractions in (0, 1]) into ((T, F), …).
+
+    Before the first entry the fraction is 1. Raises ValueError saying which entry is wrong and why.
+    """
+    if not text.strip():
+        raise ValueError("capacity schedule is empty: expected T:F[,T:F...], e.g. 0:1,60:0.5,120:1")
+    schedule: list[tuple[float, float]] = []
+    for i, entry in enumerate(text.split(","), 1):
+        where = f"capacity schedule entry {i} {entry.strip()!r}"
+        t_text, colon, f_text = entry.partition(":")
+        if not colon or not t_text.strip() or not f_text.strip():
+            raise ValueError(f"{where}: expected T:F (seconds:fraction), e.g. 60:0.5")
+        try:
+            at, fraction = float(t_text), float(f_text)
+        except ValueError:
+            raise ValueError(f"{where}: T and F must be numbers") from None
+        if not math.isfinite(at) or at < 0:
+            raise ValueError(f"{where}: time must be a finite number of seconds ≥ 0")
+        if not 0 < fraction <= 1:  # NaN fails this too
+            raise ValueError(f"{where}: fraction must be in (0, 1]")
+        if schedule and at <= schedule[-1][0]:
+            raise ValueError(f"{where}: times must be strictly increasing (the entry before is at "
+                             f"{schedule[-1][0]:g}s)")
+        schedule.append((at, fraction))
+    return tuple(schedule)
+
+
+def capacity_at(schedule: tuple[tuple[float, float], ...], t: float) -> float:
+    """The fraction a parsed schedule gives at ``t`` (1 before its first entry)."""
+    fraction = 1.0
+    for at, f in schedule:
+        if at > t:
+            break
+        fraction = f
+    return fraction
+
+
 class _Seq:
-    __slots__ = ("arrival", "decoding", "first_token_at", "generated", "kv_base", "output",
+    __slots__ = ("arrival", "decoding", "first_token_at", "generated", "kv_base", "last_token_at", "output",
                  "preemptions", "prefill_left", "prompt", "req_id", "scheduled_at", "since_step", "uid")
 
     def __init__(self, uid: int, req_id: str, prompt: int, output: int, arrival: float) -> None:
@@ -78,6 +151,8 @@ class _Seq:
         self.kv_base = 0
         self.scheduled_at: float | None = None
         self.first_token_at: float | None = None
+        #: When its latest token was made, once it has one (the base of its next inter-token latency).
+        self.last_token_at: float | None = None
         self.preemptions = 0
 
 
@@ -88,11 +163,17 @@ class Engine:
     time) and whenever inputs arrive. ``time_scale`` multiplies every cost in the profile.
     """
 
-    def __init__(self, profile: Profile, time_scale: float = 1.0) -> None:
+    def __init__(self, profile: Profile, time_scale: float = 1.0, *,
+                 on_interval: IntervalObserver | None = None) -> None:
         if time_scale <= 0:
             raise ValueError("time_scale must be positive")
         self.profile = profile
         self.time_scale = time_scale
+        #: Told of every inter-token interval as the engine's clock passes it (a live histogram).
+        self.on_interval = on_interval
+        self._fraction = 1.0
+        self._kv_capacity = profile.kv_cache_tokens
+        self._max_running = profile.max_running
         self._prefill_cost = profile.prefill_s_per_token * time_scale
         self._step_cache: dict[int, float] = {}
         self._waiting: deque[_Seq] = deque()
@@ -109,12 +190,20 @@ class Engine:
         #: A step boundary whose scheduling decision is still open: requests added at exactly
         #: this time join the step that starts then (a burst at one instant is admitted together).
         self._decide_at: float | None = None
-        self._step_start = 0.0
+        #: The run in progress started at ``_run_start``; ``_run_done`` of its steps are over. Step
+        #: ends are always ``_run_start + k × _step_len``: looking at the engine mid-run (which skips
+        #: the steps done so far) cannot move a later event, not even by a rounding.
+        self._run_start = 0.0
+        self._run_done = 0
         self._step_len = 0.0
         self._run_left = 0  # steps left in the current run, the one in progress included
         self._chunks: list[tuple[_Seq, int]] = []  # prefill work of the step in progress
         self._pending: list[Event] = []
         self.preemptions = 0
+        self._ttfts: deque[tuple[float, float]] = deque(maxlen=LATENCY_RECORDS)  # (time, ttft)
+        #: (first step end, last step end, interval, steps, sequences): ``sequences`` intervals of
+        #: ``interval`` seconds ended at each of ``steps`` evenly spaced step ends.
+        self._itls: deque[tuple[float, float, float, int, int]] = deque(maxlen=LATENCY_RECORDS)
 
     # -- state for metrics -------------------------------------------------------------------------
 
@@ -132,8 +221,27 @@ class Engine:
 
     @property
     def kv_usage(self) -> float:
-        """Fraction of the KV cache in use (0..1), as of the last call that took ``now``."""
-        return self.kv_tokens / self.profile.kv_cache_tokens
+        """Fraction of the KV cache in use (0..1), as of the last call that took ``now``.
+
+        Measured against the cache the engine has now: just after ``set_capacity`` shrank it the
+        batch may hold more until the next step boundary preempts; that reads as 1 (full).
+        """
+        return min(1.0, self.kv_tokens / self._kv_capacity)
+
+    @property
+    def capacity(self) -> float:
+        """The capacity fraction F set last (1 unless ``set_capacity`` said otherwise)."""
+        return self._fraction
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """The KV cache in tokens at the current capacity fraction."""
+        return self._kv_capacity
+
+    @property
+    def max_running(self) -> int:
+        """The running-sequence cap at the current capacity fraction."""
+        return self._max_running
 
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._by_id
@@ -153,7 +261,7 @@ class Engine:
             return self._decide_at
         if not self._busy:
             return None
-        return self._step_start + self._run_left * self._step_len
+        return self._run_end()
 
     # -- inputs ------------------------------------------------------------------------------------
 
@@ -182,7 +290,7 @@ class Engine:
         if not self._busy:
             if self._decide_at is None:
                 self._decide_at = now
-        elif was_empty and len(self._running) < self.profile.max_running:
+        elif was_empty and len(self._running) < self._max_running:
             # The batch may have room for it: stop the run after the step in progress. With a
             # queue already waiting, the head is blocked and this request behind it can't go first.
             self._run_left = 1
@@ -207,6 +315,92 @@ class Engine:
         events, self._pending = self._pending, []
         return events
 
+    def set_capacity(self, fraction: float, now: float) -> None:
+        """Run at ``fraction`` (0 < F ≤ 1) of the profile's capacity from ``now`` (see the module doc).
+
+        Like ``add``, events up to ``now`` are kept for the next ``advance``, and the step starting
+        at exactly ``now`` (if its decision is still open) already runs at the new capacity.
+        """
+        if not 0 < fraction <= 1:
+            raise ValueError(f"capacity fraction must be in (0, 1], got {fraction!r}")
+        self._catch_up(now, inclusive=False)
+        if fraction == self._fraction:
+            return
+        p = self.profile
+        self._fraction = fraction
+        if fraction == 1:
+            self._kv_capacity, self._max_running = p.kv_cache_tokens, p.max_running
+        else:
+            self._kv_capacity = max(math.floor(fraction * p.kv_cache_tokens + _FLOOR_TOLERANCE),
+                                    min(p.max_model_len + p.block_size, p.kv_cache_tokens))
+            self._max_running = max(1, math.floor(fraction * p.max_running + _FLOOR_TOLERANCE))
+        slowdown = self.time_scale / fraction
+        self._prefill_cost = p.prefill_s_per_token * slowdown
+        self._step_cache.clear()
+        if self._busy:
+            # The step in progress ends as planned; the next one is planned at the new capacity
+            # (and preempts what no longer fits, or admits what now does).
+            self._run_left = 1
+
+    # -- recent latencies --------------------------------------------------------------------------
+
+    def recent_ttft_p95(self, now: float, window: float = 60.0) -> float | None:
+        """p95 of the TTFTs of requests whose first token came in ``(now - window, now]``; None if none.
+
+        Brings the engine up to ``now`` first, as ``add`` does.
+        """
+        lo = self._window_start(now, window)
+        samples = []
+        for at, ttft in reversed(self._ttfts):
+            if at <= lo:
+                break
+            samples.append((ttft, 1))
+        return _nearest_rank(samples, 0.95)
+
+    def recent_itl_p95(self, now: float, window: float = 60.0) -> float | None:
+        """p95 of the inter-token latencies that ended in ``(now - window, now]``; None if none.
+
+        One sample per generated token after a request's first (see the module doc), so a long
+        request weighs by its tokens, as in vLLM's ``inter_token_latency_seconds`` histogram.
+        """
+        lo = self._window_start(now, window)
+        samples = []
+        for first, last, interval, steps, sequences in reversed(self._itls):
+            if last <= lo:
+                break
+            if first > lo:
+                n = steps
+            else:  # only the step ends after lo count: they are ``interval`` apart from ``first``
+                n = steps - 1 - math.floor((lo - first) / interval)
+                n = min(max(n, 0), steps)
+            if n:
+                samples.append((interval, n * sequences))
+        return _nearest_rank(samples, 0.95)
+
+    def _window_start(self, now: float, window: float) -> float:
+        if not 0 < window <= LATENCY_HISTORY_S:
+            raise ValueError(f"window must be in (0, {LATENCY_HISTORY_S:g}] seconds, got {window!r}")
+        self._catch_up(now, inclusive=False)
+        return now - window
+
+    def _record_ttft(self, at: float, ttft: float) -> None:
+        records = self._ttfts
+        while records and records[0][0] < at - LATENCY_HISTORY_S:
+            records.popleft()
+        records.append((at, ttft))
+
+    def _record_itl(self, first: float, interval: float, steps: int, sequences: int) -> None:
+        """``sequences`` tokens after a first were made at each of ``steps`` step ends from ``first``."""
+        if steps <= 0 or sequences <= 0:
+            return
+        last = first + interval * (steps - 1)
+        records = self._itls
+        while records and records[0][1] < last - LATENCY_HISTORY_S:
+            records.popleft()
+        records.append((first, last, interval, steps, sequences))
+        if self.on_interval is not None:
+            self.on_interval(interval, steps * sequences)
+
     # -- the model ---------------------------------------------------------------------------------
 
     def _catch_up(self, now: float, inclusive: bool) -> None:
@@ -221,20 +415,26 @@ class Engine:
                 self._schedule(at)
             if not self._busy:
                 return
-            run_end = self._step_start + self._run_left * self._step_len
+            run_end = self._run_end()
+            step_start = self._run_start + self._run_done * self._step_len
             if now >= run_end:
+                self._record_itl(step_start + self._step_len, self._step_len, self._run_left, self._decoding)
                 self._steps += self._run_left
                 self._end_run(run_end)
                 self._busy = False
                 self._decide_at = run_end
                 continue
-            done = int((now - self._step_start) // self._step_len)
+            done = int((now - step_start) // self._step_len)
             if done > 0:  # identical decode steps inside the run: skip them all at once
                 done = min(done, self._run_left - 1)
+                self._record_itl(step_start + self._step_len, self._step_len, done, self._decoding)
                 self._steps += done
-                self._step_start += done * self._step_len
+                self._run_done += done
                 self._run_left -= done
             return
+
+    def _run_end(self) -> float:
+        return self._run_start + (self._run_done + self._run_left) * self._step_len
 
     def _generated(self, seq: _Seq) -> int:
         return seq.generated + (self._steps - seq.since_step if seq.decoding else 0)
@@ -242,7 +442,9 @@ class Engine:
     def _step_seconds(self, batch: int) -> float:
         cost = self._step_cache.get(batch)
         if cost is None:
-            cost = self._step_cache[batch] = self.profile.step_seconds(batch) * self.time_scale
+            # Losing part of the GPU slows every step by 1/F.
+            cost = self.profile.step_seconds(batch) * self.time_scale / self._fraction
+            self._step_cache[batch] = cost
         return cost
 
     def _reserve(self, seq: _Seq, decoding: bool) -> None:
@@ -294,6 +496,10 @@ class Engine:
                 self._pending.append(
                     FirstToken(seq.req_id, now, now - seq.arrival, seq.scheduled_at - seq.arrival)
                 )
+                self._record_ttft(now, now - seq.arrival)
+            elif seq.last_token_at is not None:  # recomputed after a preemption: one long interval
+                self._record_itl(now, now - seq.last_token_at, 1, 1)
+            seq.last_token_at = now
             if seq.generated >= seq.output:
                 self._finish(seq, now)
             else:
@@ -327,18 +533,21 @@ class Engine:
 
     def _schedule(self, now: float) -> None:
         """Plan the next step (or run of identical steps) starting at ``now``."""
-        capacity = self.profile.kv_cache_tokens
+        capacity = self._kv_capacity
         while True:
             chunks, budget, completing = self._plan_prefill()
             growth = self._decoding + completing  # tokens this step adds to the cache
-            if self.kv_tokens + growth <= capacity or not self._running:
+            fits = self.kv_tokens + growth <= capacity and len(self._running) <= self._max_running
+            if fits or not self._running:
                 break
             victim = self._running[next(reversed(self._running))]
+            if victim.decoding:  # its latest token was made at the end of the step that just ended
+                victim.last_token_at = now
             self._release(victim)
             victim.preemptions += 1
             self.preemptions += 1
             self._waiting.appendleft(victim)
-        while self._waiting and budget > 0 and len(self._running) < self.profile.max_running:
+        while self._waiting and budget > 0 and len(self._running) < self._max_running:
             seq = self._waiting[0]
             context = seq.prompt + seq.generated
             if self.kv_tokens + growth + context + self.profile.block_size > capacity:
@@ -362,7 +571,8 @@ class Engine:
         prefilled = sum(n for _, n in chunks)
         self._busy = True
         self._chunks = chunks
-        self._step_start = now
+        self._run_start = now
+        self._run_done = 0
         self._step_len = self._step_seconds(batch) + prefilled * self._prefill_cost
         if chunks:
             self._run_left = 1
@@ -372,3 +582,17 @@ class Engine:
         to_finish = self._finishes[0][0] - self._steps
         room = (capacity - self.kv_tokens) // self._decoding
         self._run_left = max(1, min(to_finish, room))
+
+
+def _nearest_rank(samples: list[tuple[float, int]], q: float) -> float | None:
+    """The smallest value with at least ``q`` of the (value, weight) samples at or below it."""
+    total = sum(weight for _, weight in samples)
+    if total == 0:
+        return None
+    rank = max(1, math.ceil(q * total - _FLOOR_TOLERANCE))
+    seen = 0
+    for value, weight in sorted(samples):
+        seen += weight
+        if seen >= rank:
+            return value
+    return samples[-1][0]  # pragma: no cover - unreachable: the weights add up to total

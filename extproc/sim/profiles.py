@@ -1,6 +1,6 @@
 """Hardware/model profiles for the simulated engine: what one GPU server can do, in numbers.
 
-The numbers are rough public figures for vLLM on H100s (Llama 3.1, bf16), good enough
+The numbers are rough public figures for vLLM on H100s (Llama 3.1, bf16) and one L4, good enough
 that the queueing behaviour — where the knee is, how the tail grows past it — looks
 like the real thing. They are not a benchmark.
 """
@@ -91,6 +91,22 @@ LLAMA_70B_2XH100 = Profile(
     max_model_len=32_768,
 )
 
+#: One small GPU with little room for KV: Llama 3.1 8B on a single L4 (24 GB). Rough, public-ish
+#: figures, not a benchmark: about 18 ms/token alone rising to ~60 ms at batch 64, prefill ~4k
+#: tokens/s, ~40k tokens of KV cache. The batch-one figure is optimistic for bf16 weights (16 GB
+#: read per step over the L4's ~300 GB/s is ~53 ms) and fits a quantized 8B better; what matters
+#: here is the shape: a cache that a few dozen long requests fill, then preemption and queueing.
+LLAMA_8B_L4 = Profile(
+    name="llama-8b-l4",
+    model="meta-llama/Llama-3.1-8B-Instruct",
+    decode_ms=((1, 18.0), (8, 21.0), (16, 25.0), (32, 35.0), (64, 60.0)),
+    prefill_tokens_per_s=4_000.0,
+    kv_cache_tokens=40_000,
+    max_running=64,
+    max_batched_tokens=2048,
+    max_model_len=8192,
+)
+
 #: Small and fast, for tests: four sequences, a 2048-token cache, 10–16 ms steps.
 TEST = Profile(
     name="test",
@@ -103,7 +119,7 @@ TEST = Profile(
     max_model_len=1024,
 )
 
-PROFILES: dict[str, Profile] = {p.name: p for p in (LLAMA_8B_H100, LLAMA_70B_2XH100, TEST)}
+PROFILES: dict[str, Profile] = {p.name: p for p in (LLAMA_8B_H100, LLAMA_70B_2XH100, LLAMA_8B_L4, TEST)}
 
 
 def get_profile(name: str) -> Profile:

@@ -32,6 +32,7 @@ import heapq
 import json
 import math
 import random
+import re
 import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -47,7 +48,7 @@ from extproc.core.gatekeeper import Gatekeeper
 from extproc.core.intake import Intake
 from extproc.core.saturation import Reading
 from extproc.policy.schema import Policy
-from extproc.sim.engine import Engine, Finished, FirstToken, RequestRejected
+from extproc.sim.engine import Engine, Finished, FirstToken, RequestRejected, parse_capacity_schedule
 from extproc.sim.profiles import Profile, get_profile
 from extproc.sim.report import Result, Slo, Summary, grouped, side_by_side, summarise
 from extproc.sim.workload import Arrivals, Client, Request, WorkloadSpec, generate, load_spec, retry_delay
@@ -88,6 +89,8 @@ class Run:
     """Most sequences the engine ran at once (the policy's capacity must bound it)."""
     signals: list[str] = field(default_factory=list)
     """The policy's signals the engine model answered (the others went stale)."""
+    timeline: list[tuple[float, int, int, int]] = field(default_factory=list)
+    """At every signal poll: (time, the fleet limit in force, engine waiting, engine running)."""
 
 
 def capacity_rps(profile: Profile, time_scale: float, spec: WorkloadSpec, batch: int | None = None
@@ -125,17 +128,27 @@ def fifo_policy(policy: Policy, max_queued: int | None = None) -> Policy:
 
 
 #: Engine quantities a signal may name, by what names them.
-_ENGINE_PRESETS = {"kv_cache_usage": "kv", "waiting_requests": "waiting", "running_requests": "running"}
+_ENGINE_PRESETS = {"kv_cache_usage": "kv", "waiting_requests": "waiting", "running_requests": "running",
+                   "ttft_seconds": "ttft", "inter_token_latency_seconds": "itl"}
 _ENGINE_METRICS = {"kv_cache_usage_perc": "kv", "gpu_cache_usage_perc": "kv",
-                   "num_requests_waiting": "waiting", "num_requests_running": "running"}
+                   "num_requests_waiting": "waiting", "num_requests_running": "running",
+                   "time_to_first_token_seconds": "ttft", "inter_token_latency_seconds": "itl",
+                   "time_per_output_token_seconds": "itl"}
+#: The window of a latency percentile read from a PromQL query (``[30s]``), when it says none.
+_DEFAULT_WINDOW = 30.0
 
 
 def engine_signals(policy: Policy) -> dict[str, str]:
-    """The policy's signals the engine model answers: signal name → kv, waiting or running."""
+    """The policy's signals the engine model answers: signal name → kv, waiting, running, ttft, itl.
+
+    Latency signals (``ttft``, ``itl``) are the engine's p95 over the signal's window, as
+    Prometheus' ``histogram_quantile(0.95, rate(…[window]))`` or a scrape signal's ``quantile`` gives.
+    """
     out: dict[str, str] = {}
     for name, signal in policy.signals.read.items():
         if signal.preset is not None:
-            out[name] = _ENGINE_PRESETS[signal.preset]
+            if signal.preset in _ENGINE_PRESETS:
+                out[name] = _ENGINE_PRESETS[signal.preset]
             continue
         text = signal.metric or signal.query or ""
         found = {quantity for metric, quantity in _ENGINE_METRICS.items() if metric in text}
@@ -144,13 +157,26 @@ def engine_signals(policy: Policy) -> dict[str, str]:
     return out
 
 
+def _window(policy: Policy, name: str) -> float:
+    signal = policy.signals.read[name]
+    if signal.quantile is not None:
+        return signal.span
+    found = re.search(r"\[(\d+(?:\.\d+)?)(ms|s|m)\]", signal.query or "")
+    if found is None:
+        return _DEFAULT_WINDOW
+    return float(found[1]) * {"ms": 0.001, "s": 1.0, "m": 60.0}[found[2]]
+
+
 class Simulator:
     def __init__(self, profile: Profile, *, time_scale: float = 1.0, client: Client | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, capacity_schedule: Sequence[tuple[float, float]] = ()) -> None:
+        """``capacity_schedule``: (simulated seconds, fraction) — from then on the engine runs at that
+        fraction of its capacity (see ``Engine.set_capacity``)."""
         self.profile = profile
         self.time_scale = time_scale
         self.client = client or Client()
         self.seed = seed
+        self.capacity_schedule = tuple(capacity_schedule)
 
     def run(self, requests: Sequence[Request], policy: Policy | None, mode: str = Mode.POLICY) -> Run:
         """Simulate ``requests`` through ``policy`` (None: no admission control)."""
@@ -165,6 +191,9 @@ class Simulator:
         poll = min((s.interval for s in policy.signals.sources.values()), default=math.inf) \
             if policy is not None and policy.signals.read else math.inf
         next_poll = 0.0 if math.isfinite(poll) else math.inf
+        windows = {name: _window(policy, name) for name in signals} if policy is not None else {}
+        changes = list(self.capacity_schedule)
+        timeline: list[tuple[float, int, int, int]] = []
         states = [_State(r) for r in requests]
         by_ticket: dict[int, _State] = {}
         served: dict[str, dict[str, float]] = {}
@@ -278,15 +307,30 @@ class Simulator:
                       math.inf if t_sched is None else t_sched)
             if now == math.inf:
                 break
+            if changes and changes[0][0] <= now:
+                at, fraction = changes.pop(0)
+                now = max(at, clock[0])
+                engine.set_capacity(fraction, now)
+                clock[0] = now
+                continue
             if next_poll <= now:
                 # Signals are read on their sources' interval, while anything is still going on.
                 now = next_poll
                 next_poll += poll
                 assert gate is not None
-                values = {"kv": engine.kv_usage, "waiting": float(engine.waiting),
-                          "running": float(engine.running)}
-                readings = {name: Reading(values[quantity], now) for name, quantity in signals.items()}
+                values: dict[str, float | None] = {"kv": engine.kv_usage, "waiting": float(engine.waiting),
+                                                   "running": float(engine.running)}
+                readings = {}
+                for name, quantity in signals.items():
+                    value = values.get(quantity)
+                    if quantity == "ttft":
+                        value = engine.recent_ttft_p95(now, windows[name])
+                    elif quantity == "itl":
+                        value = engine.recent_itl_p95(now, windows[name])
+                    if value is not None:  # no observation in the window: nothing read
+                        readings[name] = Reading(value, now)
                 decisions = gate.on_signals(readings, now).decisions
+                timeline.append((now, gate.policy.total_capacity, engine.waiting, engine.running))
                 clock[0] = now
                 settle(decisions, now)
             clock[0] = now
@@ -335,7 +379,7 @@ class Simulator:
         results = [st.result or Result(st.request.index, st.request.cls, st.request.tenant, st.request.at, -1,
                                        None, None, st.attempts, st.request.output_tokens, "unfinished")
                    for st in states]
-        return Run(mode, results, served, events, peak, sorted(signals))
+        return Run(mode, results, served, events, peak, sorted(signals), timeline)
 
 
 def tenant_shares(run: Run, policy: Policy) -> dict[str, dict[str, tuple[float, float]]]:
@@ -416,6 +460,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--profile", default="llama-70b-2xh100")
     parser.add_argument("--time-scale", type=float, default=0.1)
+    parser.add_argument("--capacity-schedule", type=_schedule, default=(), metavar="T:F,...",
+                        help="from T simulated seconds on, the engine runs at fraction F of its capacity "
+                        "(slots, KV cache and step speed), e.g. 0:1,60:0.5,120:1")
     parser.add_argument("--fifo-cap", type=int, default=None,
                         help="queue cap of the FIFO baseline (default: the policy's lanes' queues summed)")
     parser.add_argument("--verify", action="store_true",
@@ -424,6 +471,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "outcome); --json writes {\"verify\": {...}}")
     parser.add_argument("--json", dest="json_out", help="write the summaries here")
     parser.add_argument("--plot", help="write a PNG here")
+
+
+def _schedule(text: str) -> tuple[tuple[float, float], ...]:
+    try:
+        return parse_capacity_schedule(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _requests(args: argparse.Namespace, profile: Profile) -> tuple[list[Request], float, WorkloadSpec]:
@@ -464,7 +518,8 @@ def command(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"extproc simulate: {exc}", file=sys.stderr)
         return 2
-    simulator = Simulator(profile, time_scale=args.time_scale, client=spec.client, seed=args.seed)
+    simulator = Simulator(profile, time_scale=args.time_scale, client=spec.client, seed=args.seed,
+                          capacity_schedule=args.capacity_schedule)
     default_slo = Slo(ttft=2.0, e2e=120.0)
     slos = {c.name: Slo(c.slo.ttft, c.slo.e2e) for c in spec.classes}
     for r in requests:

@@ -59,21 +59,40 @@ def test_it_grows_only_while_there_is_headroom_and_the_limit_holds_traffic_back(
     assert a.update(readings(0), inflight=1, queued=0, now=0) is None  # nothing presses against it
     move = a.update(readings(2), inflight=4, queued=0, now=2)
     assert move is not None
-    assert (move.previous, move.limit, move.reason) == (4, 5, "headroom")
+    assert (move.previous, move.limit, move.reason) == (4, 8, "headroom")  # slow start: doubling
+    assert a.update(readings(4), inflight=5, queued=3, now=4) is None  # a limit far above what runs
+    a.update(readings(6), inflight=8, queued=0, now=6)
+    assert a.limit == 16
+    # The first fall ends the slow start; from then on +5 %, doubling per growth up to +25 %.
+    a.update(readings(8, waiting=50), inflight=16, queued=0, now=8)
+    assert a.limit == 8
     limits = [a.limit]
-    for t in range(4, 40, 2):
+    for t in range(10, 50, 2):
         a.update(readings(t), inflight=a.limit, queued=0, now=t)
         limits.append(a.limit)
     assert limits == sorted(limits)
-    assert limits[-1] > 40  # consecutive growth speeds up (to +25 % a step)
+    assert limits[1] == 9
+    assert limits[-1] > 40
     assert all(b <= max(a_ * 1.25 + 1, a_ + 1) for a_, b in itertools.pairwise(limits))
 
 
 def test_moves_at_most_once_per_interval() -> None:
     a = auto_of(policy(interval="2s"))
     assert a.update(readings(0), 4, 0, 0) is not None
-    assert a.update(readings(1), 5, 0, 1) is None
-    assert a.update(readings(2), 5, 0, 2) is not None
+    assert a.update(readings(1), 8, 0, 1) is None
+    assert a.update(readings(2), 8, 0, 2) is not None
+
+
+def test_one_sample_of_a_small_engine_queue_is_not_yet_a_fall() -> None:
+    a = auto_of(policy(start=100))
+    assert a.update(readings(0, waiting=2), inflight=100, queued=50, now=0) is None  # nor a growth
+    assert a.limit == 100
+    assert a.update(readings(2, waiting=0), inflight=100, queued=50, now=2) is not None  # gone: grows
+    assert a.limit == 200
+    assert a.update(readings(4, waiting=2), inflight=180, queued=50, now=4) is None
+    move = a.update(readings(6, waiting=3), inflight=180, queued=50, now=6)  # still there: falls
+    assert move is not None
+    assert (move.limit, move.reason) == (177, "engine_queue")  # what runs (180) less the excess
 
 
 def test_an_engine_queue_takes_the_excess_off_at_once() -> None:
@@ -182,15 +201,15 @@ def test_the_gatekeeper_enforces_the_limit_it_moves_to() -> None:
     assert sum(d.outcome.value == "admitted" for d in admitted) == 3  # 75 % of 4
     result = gate.on_signals(readings(1), 1)
     assert result.move is not None
-    assert result.move.limit == 5
-    assert gate.policy.total_capacity == 5
-    assert gate.policy.lane("interactive").max_inflight == 4
-    assert [d.outcome.value for d in result.decisions] == ["admitted"]  # a queued request starts
+    assert result.move.limit == 8
+    assert gate.policy.total_capacity == 8
+    assert gate.policy.lane("interactive").max_inflight == 6
+    assert [d.outcome.value for d in result.decisions] == ["admitted"] * 3  # queued requests start
     # The engine queues: the limit falls; nothing running is cut short.
-    result = gate.on_signals(readings(3, waiting=3), 3)
+    result = gate.on_signals(readings(3, waiting=30), 3)
     assert result.move is not None
     assert gate.policy.total_capacity == 4
-    assert gate.scheduler.total_inflight == 4
+    assert gate.scheduler.total_inflight == 6
 
 
 def test_fleet_managed_moves_are_proposals_until_set_limit() -> None:
@@ -208,8 +227,11 @@ def test_fleet_managed_moves_are_proposals_until_set_limit() -> None:
 
 
 def test_shadow_computes_but_enforces_the_number() -> None:
-    p = Policy.model_validate({**policy().model_dump(exclude_unset=True), "capacity": {
-        "max_inflight": 100, "auto": {**policy().capacity.auto.model_dump(exclude_unset=True), "shadow": True}}})  # type: ignore[union-attr]
+    base = policy()
+    assert base.capacity.auto is not None
+    watched = base.capacity.auto.model_copy(update={"shadow": True})
+    p = Policy.model_validate({**base.model_dump(), "capacity": {"max_inflight": 100, **{
+        "auto": watched.model_dump()}}})
     gate = Gatekeeper(p)
     for _ in range(4):
         gate.submit("interactive", "t", job(), 0)
@@ -217,7 +239,7 @@ def test_shadow_computes_but_enforces_the_number() -> None:
     assert result.move is not None
     assert gate.policy.total_capacity == 100
     assert gate.auto is not None
-    assert gate.auto.limit == 5
+    assert gate.auto.limit == 8
 
 
 BASE = """

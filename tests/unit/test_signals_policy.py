@@ -11,6 +11,7 @@ import yaml
 from pydantic import ValidationError
 
 from extproc.policy import Policy
+from extproc.policy.loader import PolicyError, parse_policy
 from extproc.policy.signals import Signal, Signals, problems
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "signals-policy.yaml"
@@ -94,10 +95,25 @@ def test_a_rule_without_below_releases_at_above() -> None:
     ({"metric": "vllm:gpu_cache_usage_perc", "kind": "kv_cache_utilization"}, "kv_cache_utilization", "max"),
     ({"metric": "tgi_queue_size"}, "gauge", "max"),
     ({"preset": "kv_cache_usage", "kind": "gauge"}, "gauge", "max"),
+    ({"preset": "ttft_seconds", "quantile": 0.95}, "gauge", "sum"),
+    ({"preset": "inter_token_latency_seconds", "quantile": 0.5}, "gauge", "sum"),
+    ({"metric": "vllm:e2e_request_latency_seconds", "quantile": 0.99}, "gauge", "sum"),
 ])
 def test_presets_choose_kind_and_aggregation_unless_told(signal: dict[str, Any], kind: str, how: str) -> None:
     parsed = Signal.model_validate({"source": "engines", **signal})
     assert (parsed.exported_kind, parsed.how) == (kind, how)
+
+
+def test_a_quantile_signal_parses_its_window() -> None:
+    parsed = Signal.model_validate({"source": "engines", "preset": "ttft_seconds", "quantile": 0.95,
+                                    "window": "1m", "labels": {"model_name": "llama"}})
+    assert (parsed.quantile, parsed.window) == (0.95, 60.0)
+    plain = Signal.model_validate({"source": "engines", "preset": "waiting_requests"})
+    assert (plain.quantile, plain.window, plain.span) == (None, None, 30.0)
+    assert Signal.model_validate(plain.model_dump()) == plain  # what the policy sandbox relies on
+    raw = data()
+    raw["read"]["ttft_p95"] = {"source": "engines", "preset": "ttft_seconds", "quantile": 0.95}
+    assert problems_of(raw) == []
 
 
 def test_models_are_frozen() -> None:
@@ -163,6 +179,57 @@ def test_shape_errors_name_their_key(mutate: Any, loc: tuple[Any, ...], message:
     assert any(got[: len(loc)] == loc and message in msg for got, msg in errors), errors
 
 
+@pytest.mark.parametrize(("signal", "loc", "message"), [
+    ({"preset": "kv_cache_usage", "quantile": 0.95}, ("quantile",),
+     "Value error, preset 'kv_cache_usage' is a gauge, not a histogram; quantile is only for a histogram "
+     "metric or preset (inter_token_latency_seconds, ttft_seconds)"),
+    ({"preset": "waiting_requests", "quantile": 0.5}, ("quantile",),
+     "Value error, preset 'waiting_requests' is a gauge, not a histogram; quantile is only for a histogram "
+     "metric or preset (inter_token_latency_seconds, ttft_seconds)"),
+    ({"preset": "ttft_seconds"}, ("quantile",),
+     "Value error, preset 'ttft_seconds' is a histogram: give the quantile to read, e.g. 0.95"),
+    ({"preset": "inter_token_latency_seconds", "window": "1m"}, ("quantile",),
+     "Value error, preset 'inter_token_latency_seconds' is a histogram: give the quantile to read, "
+     "e.g. 0.95"),
+    ({"preset": "ttft_seconds", "quantile": 0.95, "aggregate": "max"}, ("quantile",),
+     "Value error, give aggregate or quantile, not both: a quantile adds up the buckets of every target"),
+    ({"metric": "vllm:num_requests_waiting", "window": "1m"}, ("window",),
+     "Value error, only for a signal with quantile (the time its observations count)"),
+    ({"metric": "vllm:time_to_first_token_seconds_bucket", "quantile": 0.9}, (),
+     "Value error, with quantile, metric names the histogram without _bucket: "
+     "'vllm:time_to_first_token_seconds'"),
+    ({"metric": "h", "quantile": 0.9, "labels": {"le": "0.5"}}, (),
+     "Value error, a quantile reads every bucket of a series; labels cannot select le"),
+    ({"metric": "h", "quantile": 1}, ("quantile",), "Input should be less than 1"),
+    ({"metric": "h", "quantile": 0}, ("quantile",), "Input should be greater than 0"),
+    ({"metric": "h", "quantile": 0.9, "window": "500ms"}, ("window",),
+     "Input should be greater than or equal to 1"),
+    ({"metric": "h", "quantile": 0.9, "window": "2h"}, ("window",),
+     "Input should be less than or equal to 3600"),
+])
+def test_quantile_shape_errors_are_exact(signal: dict[str, Any], loc: tuple[str, ...], message: str) -> None:
+    raw = data()
+    raw["read"]["latency"] = {"source": "engines", **signal}
+    assert error_locs(raw) == [(("read", "latency", *loc), message)]
+
+
+def test_the_loader_names_the_key_of_a_quantile_error() -> None:
+    raw = yaml.safe_load(EXAMPLE.read_text())
+    raw["signals"]["read"]["ttft_p95"] = {"source": "engines", "preset": "ttft_seconds"}
+    raw["signals"]["read"]["tpot_p95"] = {"source": "prometheus", "query": "up", "quantile": 0.95}
+    with pytest.raises(PolicyError) as caught:
+        parse_policy(yaml.safe_dump(raw), "policy.yaml")
+    assert [(p.path, p.message) for p in caught.value.problems] == [
+        ("signals.read.ttft_p95.quantile", "preset 'ttft_seconds' is a histogram: give the quantile to read, "
+                                           "e.g. 0.95")]
+    raw["signals"]["read"]["ttft_p95"]["quantile"] = 0.95
+    with pytest.raises(PolicyError) as caught:
+        parse_policy(yaml.safe_dump(raw), "policy.yaml")
+    assert [(p.path, p.message) for p in caught.value.problems] == [
+        ("signals.read.tpot_p95.quantile", "only for scrape sources; 'prometheus' is a prometheus source "
+                                           "(use histogram_quantile in the query)")]
+
+
 # -- cross-field problems -----------------------------------------------------------------------
 
 
@@ -180,6 +247,17 @@ def test_shape_errors_name_their_key(mutate: Any, loc: tuple[Any, ...], message:
     (lambda d: d["read"]["pending"].update(aggregate="sum"),
      "signals.read.pending.aggregate: only for scrape sources; 'prom' is a prometheus source "
      "(select and aggregate in the query)"),
+    (lambda d: d["read"]["pending"].update(quantile=0.95),
+     "signals.read.pending.quantile: only for scrape sources; 'prom' is a prometheus source "
+     "(use histogram_quantile in the query)"),
+    (lambda d: d["read"].update(ttft={"source": "engines", "preset": "ttft_seconds", "quantile": 0.95,
+                                      "window": "2s"}),
+     "signals.read.ttft.window: 2s is not above source 'engines''s interval (2s); the window would not "
+     "hold two scrapes"),
+    (lambda d: d["read"].update(ttft={"source": "engines", "metric": "vllm:time_to_first_token_seconds",
+                                      "quantile": 0.5, "window": "1s"}),
+     "signals.read.ttft.window: 1s is not above source 'engines''s interval (2s); the window would not "
+     "hold two scrapes"),
     (lambda d: d["read"]["pending"].update(labels={"status": "active"}),
      "signals.read.pending.labels: only for scrape sources; 'prom' is a prometheus source "
      "(match labels in the query)"),

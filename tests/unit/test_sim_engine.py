@@ -13,7 +13,15 @@ from functools import partial
 import pytest
 
 from extproc.sim.engine import Engine, Event, Finished, FirstToken, RequestRejected
-from extproc.sim.profiles import LLAMA_8B_H100, LLAMA_70B_2XH100, PROFILES, TEST, Profile, get_profile
+from extproc.sim.profiles import (
+    LLAMA_8B_H100,
+    LLAMA_8B_L4,
+    LLAMA_70B_2XH100,
+    PROFILES,
+    TEST,
+    Profile,
+    get_profile,
+)
 
 Arrival = tuple[float, str, int, int]  # (time, id, prompt tokens, output tokens)
 
@@ -57,6 +65,7 @@ def per_token(f: Finished) -> float:
 @pytest.mark.parametrize(("profile", "batch", "ms"), [
     (LLAMA_8B_H100, 1, 4.6), (LLAMA_8B_H100, 250, 16.0),
     (LLAMA_70B_2XH100, 1, 19.0), (LLAMA_70B_2XH100, 100, 93.0),
+    (LLAMA_8B_L4, 1, 18.0), (LLAMA_8B_L4, 64, 60.0),
 ])
 def test_profile_step_times_match_the_published_numbers(profile: Profile, batch: int, ms: float) -> None:
     assert profile.step_seconds(batch) * 1000 == pytest.approx(ms, rel=0.02)
@@ -70,8 +79,9 @@ def test_step_time_interpolates_and_extrapolates_monotonically() -> None:
 
 
 def test_profiles_are_registered_and_validated() -> None:
-    assert {"llama-8b-h100", "llama-70b-2xh100", "test"} <= set(PROFILES)
+    assert {"llama-8b-h100", "llama-70b-2xh100", "llama-8b-l4", "test"} <= set(PROFILES)
     assert get_profile("test") is TEST
+    assert get_profile("llama-8b-l4") is LLAMA_8B_L4
     with pytest.raises(ValueError, match="unknown profile 'nope'; known: "):
         get_profile("nope")
     with pytest.raises(ValueError, match="strictly increasing"):
@@ -108,6 +118,23 @@ def test_per_token_latency_near_the_maximum_batch_matches_the_profile(profile: P
     assert len(done) == batch
     for f in done.values():
         assert per_token(f) * 1000 == pytest.approx(ms, rel=0.02)
+
+
+def test_the_l4_cache_fills_with_a_few_dozen_long_requests() -> None:
+    # 40k KV tokens: at most twenty 2000-token contexts run at once, though there are 64 slots.
+    engine = Engine(LLAMA_8B_L4)
+    for i in range(40):
+        engine.add(str(i), 2000, 300, 0.0)
+    events: list[Event] = []
+    peak, blocked_by_kv = 0, False
+    while (nxt := engine.next_event_time()) is not None:
+        events += engine.advance(nxt)
+        peak = max(peak, engine.running)
+        blocked_by_kv |= engine.waiting > 0 and engine.running < LLAMA_8B_L4.max_running
+        assert engine.kv_tokens <= LLAMA_8B_L4.kv_cache_tokens
+    assert 10 < peak <= LLAMA_8B_L4.kv_cache_tokens // 2000
+    assert blocked_by_kv
+    assert len(finished(events)) == 40
 
 
 def test_per_token_latency_grows_with_the_batch() -> None:
