@@ -122,6 +122,14 @@ class Stack:
             self._wait(process, f"http://127.0.0.1:{http}/readyz")
         return process
 
+    def policy_for(self, policy: Path | str, backend: int, name: str = "policy.yaml") -> Path:
+        """``policy`` with its scrape targets at 127.0.0.1:8000 (the documented local backend) moved
+        to ``backend``'s port: the local stacks start their simulated backend on a free port."""
+        text = Path(policy).read_text(encoding="utf-8")
+        path = self.workdir / name
+        path.write_text(text.replace("//127.0.0.1:8000/", f"//127.0.0.1:{backend}/"), encoding="utf-8")
+        return path
+
     def envoy(self, config: dict[str, Any], name: str = "envoy", concurrency: int = 1) -> Process:
         path = self.workdir / f"{name}.yaml"
         path.write_text(bootstrap.dump(config))

@@ -44,14 +44,18 @@ def run_once(name: str, args: argparse.Namespace, requests: list[Request], spec:
     with localstack.stack(workdir / name) as s:
         (workdir / name).mkdir(parents=True, exist_ok=True)
         backend = localstack.free_port()
+        schedule = ["--capacity-schedule", args.capacity_schedule] if args.capacity_schedule else []
         s.start("backend", [sys.executable, "-m", "extproc", "sim", "backend", "--profile", args.profile,
                             "--time-scale", str(args.time_scale), "--listen", f"127.0.0.1:{backend}",
-                            "--stream-interval", "0.1", "--log-level", "warning", "--seed", str(args.seed)])
+                            "--stream-interval", "0.1", "--log-level", "warning", "--seed", str(args.seed),
+                            *schedule])
         localstack.wait_http(f"http://127.0.0.1:{backend}/health", proc=s.processes[-1].popen)
         grpc = None
         if with_extproc:
             grpc, http = localstack.free_port(), localstack.free_port()
-            s.extproc(args.policy, grpc, http, "--log-level", "warning", "--seed", str(args.seed))
+            # A policy that scrapes the engine (signals, capacity: auto) reads this run's backend.
+            policy = s.policy_for(args.policy, backend)
+            s.extproc(policy, grpc, http, "--log-level", "warning", "--seed", str(args.seed))
         listen, admin = localstack.free_port(), localstack.free_port()
         s.envoy(localstack.envoy_config(listen, admin, backend, grpc))
         progress = progress_printer(name, len(requests))
@@ -115,6 +119,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain", type=float, default=25.0,
                         help="seconds to wait for answers after the last arrival (later = timed out)")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--capacity-schedule", default=None, metavar="T:F,...",
+                        help="the simulated engine runs at fraction F of its capacity from T seconds on")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "demo"),
                         help="writes OUT.json and OUT.png")
 

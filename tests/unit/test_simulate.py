@@ -263,3 +263,23 @@ def test_the_edge_and_tenant_budgets_apply_in_simulation(demo_policy: Policy) ->
     refused = [r for r in run.results if r.reason == "tenant_request_budget"]
     assert refused
     assert {r.tenant for r in refused} == {"acme"}
+
+
+def test_auto_capacity_runs_in_the_simulator_and_follows_a_capacity_step() -> None:
+    # The same limit controller as live: sized from the engine model's own signals (waiting requests,
+    # TTFT and inter-token latency percentiles), within the policy's bounds, through a lost half.
+    policy = load_policy(ROOT / "examples" / "auto-policy.yaml")
+    assert policy.capacity.auto is not None
+    spec, requests = chatbot(1.5, 90)
+    sim = Simulator(LLAMA_70B_2XH100, time_scale=0.1, client=spec.client,
+                    capacity_schedule=((30.0, 0.5), (60.0, 1.0)))
+    run = sim.run(requests, policy)
+    assert set(run.signals) == {"engine_waiting", "engine_ttft_p95", "engine_tpot_p95"}
+    limits = {t: limit for t, limit, _, _ in run.timeline}
+    assert all(policy.capacity.auto.min <= limit <= policy.capacity.auto.max for limit in limits.values())
+    full = max(limit for t, limit in limits.items() if 20 <= t < 30)
+    half = [limit for t, limit in limits.items() if 45 <= t < 60]
+    assert max(half) < full  # it fell with the engine's capacity
+    assert run.peak_running <= LLAMA_70B_2XH100.max_running
+    waiting = [w for t, _, w, _ in run.timeline if 50 <= t < 60]
+    assert max(waiting) <= 20  # and kept the engine's own queue short
