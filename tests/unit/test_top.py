@@ -516,3 +516,17 @@ def test_state_url_from_an_address_or_a_url(target: str, url: str, name: str) ->
 def test_state_url_rejects_what_is_not_an_address(target: str) -> None:
     with pytest.raises(ValueError, match="HOST:PORT"):
         state_url(target)
+
+
+def test_a_self_sized_limit_shows_where_it_is_why_it_moved_and_what_is_wrong() -> None:
+    state = realistic()
+    state.capacity.auto.CopyFrom(pb.AutoCapacity(
+        limit=37, min=4, max=512, mode="enforce", reason="engine_queue",
+        why="the engines queue 12 requests (target 0)", since=NOW - 30.1, stale=True, leader=False,
+        unreachable="tpot_p95 80ms > target 1ms at min 4"))
+    frame = render(state, 140, 60)
+    assert ("limit 37 (auto in [4, 512], following the fleet): engine_queue 30.2s ago: the engines queue "
+            "12 requests (target 0)") in frame
+    assert "! no fresh engine signal: the limit holds, then decays to min" in frame
+    assert "! target unreachable: tpot_p95 80ms > target 1ms at min 4" in frame
+    assert "auto" not in render(realistic(), 140, 60).split("capacity", 1)[1].split("\n", 1)[0]
