@@ -96,14 +96,21 @@ def start_env(workdir: Path, policy: Path, *, extproc_args: tuple[str, ...] = ()
 @pytest.fixture
 def make_env(tmp_path: Path) -> Iterator[Callable[..., Env]]:
     """Start a whole stack for one test with the given policy text."""
+    stacks: list[Stack] = []
     with stack(tmp_path) as holder:
         def make(policy_text: str, **kwargs: Any) -> Env:
             policy = tmp_path / f"policy{len(holder.processes)}.yaml"
             policy.write_text(policy_text)
             s, env = start_env(tmp_path, policy, **kwargs)
             holder.processes.extend(s.processes)
+            stacks.append(s)
             return env
-        yield make
+        try:
+            yield make
+        finally:
+            # Processes a test started later on an env's own stack (a restarted extproc) stop too.
+            for s in reversed(stacks):
+                s.stop()
 
 
 @pytest.fixture(scope="module")
