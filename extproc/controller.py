@@ -151,7 +151,7 @@ class Controller:
             log.info("capacity limit moved", limit=move.limit, previous=move.previous, reason=move.reason,
                      why=move.why, shadow=not self.policy_base.auto_capacity)
             self.metrics.capacity_moves.labels(move.reason).inc()
-        if self.ledger is not None:
+        if self.ledger is not None and self.gate.auto is not None:
             self._sync_wake.set()  # the leader's proposal goes to the store, the fleet limit comes back
         self._capacity_changed()
         self._update_idle()

@@ -36,7 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from extproc.core.saturation import Reading
+from extproc.core.saturation import Reading, is_stale
 from extproc.policy.schema import AutoCapacity, Policy
 from extproc.policy.signals import Signals
 
@@ -153,10 +153,8 @@ class AutoLimit:
         target = auto.target
         waiting = fresh.get("waiting")
         queueing = waiting is not None and waiting > target.queue
-        persistent = waiting is not None and queueing and (
-            self._queueing or waiting > _CLEAR_QUEUE * (target.queue + 1))
-        self._queueing = queueing
-        if waiting is not None and persistent:
+        seen_before, self._queueing = self._queueing, queueing
+        if waiting is not None and queueing and (seen_before or waiting > _CLEAR_QUEUE * (target.queue + 1)):
             excess = waiting - target.queue
             running = min(self._value, float(inflight))
             self._value = max(float(auto.min), running - excess, self._value * (1 - _MAX_CUT))
@@ -184,10 +182,10 @@ class AutoLimit:
             or value < goal * _HEADROOM
             for role in ("ttft_p95", "tpot_p95")
         )
-        pressed = inflight >= _PRESSED * self._value or (
-            queued > 0 and inflight >= _PRESSED_QUEUED * self._value)
         if queueing:
             return None  # one sample of a queue: neither grow nor fall until the next tick says
+        pressed = inflight >= _PRESSED * self._value or (
+            queued > 0 and inflight >= _PRESSED_QUEUED * self._value)
         if not headroom or not pressed or self._value >= auto.max:
             return None
         if self._slow_start:
@@ -207,12 +205,12 @@ class AutoLimit:
             if name is None:
                 continue
             signal, reading = self._signals.read.get(name), readings.get(name)
-            if signal is None or reading is None or not reading.good:
+            # The saturation rules' staleness test; a signal not read yet is missing here (no grace
+            # for a first reading: stale_hold gives that).
+            if signal is None or reading is None or reading.value is None or not reading.good \
+                    or is_stale(reading, signal.stale_after, now, now):
                 continue
-            assert reading.value is not None
-            assert reading.updated_at is not None
-            if now - reading.updated_at <= signal.stale_after:
-                out[role] = reading.value
+            out[role] = reading.value
         return out
 
     def _stale(self, now: float) -> Move | None:

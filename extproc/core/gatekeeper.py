@@ -73,10 +73,10 @@ class Gatekeeper:
         """The policy in force: with ``max_inflight: auto``, sized at the current fleet limit."""
         return self.scheduler.policy
 
-    def _sized(self, limit: int | None = None) -> Policy:
+    def _sized(self) -> Policy:
         if self.auto is None or not self.base.auto_capacity:
             return self.base
-        return size(self.base, limit if limit is not None else self.auto.limit)
+        return size(self.base, self.auto.limit)
 
     def set_limit(self, limit: int, now: float) -> list[Decision]:
         """Enforce ``limit`` as the fleet limit (auto only); returns the queued work it lets start.
