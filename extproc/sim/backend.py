@@ -16,7 +16,7 @@ extproc's scraper work the same against this server and a real vLLM. Inter-token
 ``vllm:time_per_output_token_seconds``) is observed as vLLM does, once per token after a
 request's first, the time since its previous token as the engine makes them (chunks of a
 stream may bunch several): the engine reports a run of identical steps as one (interval,
-count) pair, so a 2000-token answer costs a few bucket updates, not 2000.
+count) pair, so the histogram costs one bucket update per engine catch-up, not one per token.
 
 ``--capacity-schedule T:F,…`` runs the engine at fraction F of its profile from T seconds of
 wall-clock time after the server starts (see :mod:`extproc.sim.engine` for what a fraction
@@ -36,7 +36,6 @@ import math
 import random
 import signal
 import sys
-import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -50,7 +49,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from extproc.settings import Address
-from extproc.sim.engine import Engine, Event, Finished, FirstToken, RequestRejected, parse_capacity_schedule
+from extproc.sim.engine import Engine, Event, Finished, FirstToken, RequestRejected, capacity_schedule_arg
 from extproc.sim.profiles import PROFILES, Profile, get_profile
 
 log = structlog.get_logger("extproc.sim")
@@ -240,19 +239,17 @@ class _TokenIntervals(Collector):
 
     def __init__(self, model_name: str) -> None:
         self._model = model_name
-        self._lock = threading.Lock()  # a scrape may come from another thread than the engine's
         self._counts = [0] * (len(ITL_BUCKETS) + 1)  # the last is +Inf
         self._sum = 0.0
 
     def observe(self, seconds: float, count: int = 1) -> None:
-        with self._lock:
-            self._counts[bisect.bisect_left(ITL_BUCKETS, seconds)] += count  # le: the bound is inclusive
-            self._sum += seconds * count
+        # Scrapes run on the event loop, as the engine does: no lock needed.
+        self._counts[bisect.bisect_left(ITL_BUCKETS, seconds)] += count  # le: the bound is inclusive
+        self._sum += seconds * count
 
     def collect(self) -> Iterator[Metric]:
-        with self._lock:
-            cumulative = list(itertools.accumulate(self._counts))
-            total = self._sum
+        cumulative = list(itertools.accumulate(self._counts))
+        total = self._sum
         bounds = [*map(floatToGoString, ITL_BUCKETS), "+Inf"]
         for name, documentation in self.NAMES:
             family = HistogramMetricFamily(name, documentation, labels=["model_name"])
@@ -684,12 +681,6 @@ def _positive(text: str) -> float:
     return value
 
 
-def _schedule(text: str) -> tuple[tuple[float, float], ...]:
-    try:
-        return parse_capacity_schedule(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", choices=sorted(PROFILES), default="llama-8b-h100",
@@ -703,7 +694,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model id to serve (default: the profile's model)")
     parser.add_argument("--stream-interval", type=_positive, default=0.05, metavar="SECONDS",
                         help="at most one SSE chunk per stream per interval, between first and last token")
-    parser.add_argument("--capacity-schedule", type=_schedule, default=(), metavar="T:F[,T:F...]",
+    parser.add_argument("--capacity-schedule", type=capacity_schedule_arg, default=(), metavar="T:F[,T:F...]",
                         help="from T seconds (wall clock) after start, run the engine at fraction F "
                              "(0 < F ≤ 1) of the profile: KV cache and batch slots × F, steps 1/F as long, "
                              "as after losing a GPU of a tensor-parallel group; e.g. 60:0.5,120:1 "

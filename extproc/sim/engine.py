@@ -33,8 +33,9 @@ the new caps, by the same recompute preemption as a KV overflow (back to the hea
 waiting queue, counted in ``preemptions``); nothing is lost or emitted twice. ``F = 1``
 restores the profile exactly. :func:`parse_capacity_schedule` reads ``T:F,…`` schedules.
 
-Recent latencies (``recent_ttft_p95``, ``recent_itl_p95``) come from a bounded record of the
-last ``LATENCY_HISTORY_S`` seconds, so a caller on a virtual clock gets what
+Recent latencies (``recent_ttft_p95``, ``recent_itl_p95``; kept only for an engine made with
+``keep_latencies=True``, as the offline simulator does) come from a record of the last
+``LATENCY_HISTORY_S`` seconds, so a caller on a virtual clock gets what
 ``histogram_quantile(0.95, rate(…[window]))`` over vLLM's histograms would give, without the
 buckets: TTFT once per request at its first token (``vllm:time_to_first_token_seconds``), and
 inter-token latency (ITL) once per generated token after a request's first, the time since
@@ -48,6 +49,7 @@ are nearest-rank (the smallest sample with at least 95 % of the samples at or be
 
 from __future__ import annotations
 
+import argparse
 import heapq
 import math
 from collections import deque
@@ -84,11 +86,11 @@ class RequestRejected(ValueError):
     """The engine can never run this request (too long for the model, bad lengths)."""
 
 
-#: How far back the latency record reaches (engine seconds), and at most how many records it keeps.
+#: How far back the latency record reaches (engine seconds).
 LATENCY_HISTORY_S = 600.0
-LATENCY_RECORDS = 100_000
-#: A capacity fraction is floored after this tolerance, so 0.29 × 100 slots is 29, not 28.
-_FLOOR_TOLERANCE = 1e-9
+#: Rounding tolerance: a capacity fraction is floored after it (0.29 × 100 slots is 29, not 28),
+#: and a percentile's rank is taken before it.
+_EPS = 1e-9
 
 #: Called with (seconds, count): ``count`` inter-token intervals of ``seconds`` each were made.
 IntervalObserver = Callable[[float, int], None]
@@ -122,14 +124,12 @@ def parse_capacity_schedule(text: str) -> tuple[tuple[float, float], ...]:
     return tuple(schedule)
 
 
-def capacity_at(schedule: tuple[tuple[float, float], ...], t: float) -> float:
-    """The fraction a parsed schedule gives at ``t`` (1 before its first entry)."""
-    fraction = 1.0
-    for at, f in schedule:
-        if at > t:
-            break
-        fraction = f
-    return fraction
+def capacity_schedule_arg(text: str) -> tuple[tuple[float, float], ...]:
+    """:func:`parse_capacity_schedule` as an argparse ``type`` (a bad schedule is a usage error)."""
+    try:
+        return parse_capacity_schedule(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 class _Seq:
@@ -164,7 +164,9 @@ class Engine:
     """
 
     def __init__(self, profile: Profile, time_scale: float = 1.0, *,
-                 on_interval: IntervalObserver | None = None) -> None:
+                 on_interval: IntervalObserver | None = None, keep_latencies: bool = False) -> None:
+        """``keep_latencies``: keep the record ``recent_ttft_p95``/``recent_itl_p95`` read (the live
+        backend exports histograms through ``on_interval`` instead and need not pay for it)."""
         if time_scale <= 0:
             raise ValueError("time_scale must be positive")
         self.profile = profile
@@ -174,6 +176,8 @@ class Engine:
         self._fraction = 1.0
         self._kv_capacity = profile.kv_cache_tokens
         self._max_running = profile.max_running
+        #: Seconds of engine time per second of profile time: the time scale, slowed by 1/F.
+        self._scale = time_scale
         self._prefill_cost = profile.prefill_s_per_token * time_scale
         self._step_cache: dict[int, float] = {}
         self._waiting: deque[_Seq] = deque()
@@ -200,10 +204,11 @@ class Engine:
         self._chunks: list[tuple[_Seq, int]] = []  # prefill work of the step in progress
         self._pending: list[Event] = []
         self.preemptions = 0
-        self._ttfts: deque[tuple[float, float]] = deque(maxlen=LATENCY_RECORDS)  # (time, ttft)
+        self._keep_latencies = keep_latencies
+        self._ttfts: deque[tuple[float, float]] = deque()  # (time, ttft)
         #: (first step end, last step end, interval, steps, sequences): ``sequences`` intervals of
         #: ``interval`` seconds ended at each of ``steps`` evenly spaced step ends.
-        self._itls: deque[tuple[float, float, float, int, int]] = deque(maxlen=LATENCY_RECORDS)
+        self._itls: deque[tuple[float, float, float, int, int]] = deque()
 
     # -- state for metrics -------------------------------------------------------------------------
 
@@ -328,14 +333,11 @@ class Engine:
             return
         p = self.profile
         self._fraction = fraction
-        if fraction == 1:
-            self._kv_capacity, self._max_running = p.kv_cache_tokens, p.max_running
-        else:
-            self._kv_capacity = max(math.floor(fraction * p.kv_cache_tokens + _FLOOR_TOLERANCE),
-                                    min(p.max_model_len + p.block_size, p.kv_cache_tokens))
-            self._max_running = max(1, math.floor(fraction * p.max_running + _FLOOR_TOLERANCE))
-        slowdown = self.time_scale / fraction
-        self._prefill_cost = p.prefill_s_per_token * slowdown
+        self._kv_capacity = max(math.floor(fraction * p.kv_cache_tokens + _EPS),
+                                min(p.max_model_len + p.block_size, p.kv_cache_tokens))
+        self._max_running = max(1, math.floor(fraction * p.max_running + _EPS))
+        self._scale = self.time_scale / fraction
+        self._prefill_cost = p.prefill_s_per_token * self._scale
         self._step_cache.clear()
         if self._busy:
             # The step in progress ends as planned; the next one is planned at the new capacity
@@ -378,12 +380,16 @@ class Engine:
         return _nearest_rank(samples, 0.95)
 
     def _window_start(self, now: float, window: float) -> float:
+        if not self._keep_latencies:
+            raise RuntimeError("this engine keeps no latency record: make it with keep_latencies=True")
         if not 0 < window <= LATENCY_HISTORY_S:
             raise ValueError(f"window must be in (0, {LATENCY_HISTORY_S:g}] seconds, got {window!r}")
         self._catch_up(now, inclusive=False)
         return now - window
 
     def _record_ttft(self, at: float, ttft: float) -> None:
+        if not self._keep_latencies:
+            return
         records = self._ttfts
         while records and records[0][0] < at - LATENCY_HISTORY_S:
             records.popleft()
@@ -393,11 +399,12 @@ class Engine:
         """``sequences`` tokens after a first were made at each of ``steps`` step ends from ``first``."""
         if steps <= 0 or sequences <= 0:
             return
-        last = first + interval * (steps - 1)
-        records = self._itls
-        while records and records[0][1] < last - LATENCY_HISTORY_S:
-            records.popleft()
-        records.append((first, last, interval, steps, sequences))
+        if self._keep_latencies:
+            last = first + interval * (steps - 1)
+            records = self._itls
+            while records and records[0][1] < last - LATENCY_HISTORY_S:
+                records.popleft()
+            records.append((first, last, interval, steps, sequences))
         if self.on_interval is not None:
             self.on_interval(interval, steps * sequences)
 
@@ -442,8 +449,8 @@ class Engine:
     def _step_seconds(self, batch: int) -> float:
         cost = self._step_cache.get(batch)
         if cost is None:
-            # Losing part of the GPU slows every step by 1/F.
-            cost = self.profile.step_seconds(batch) * self.time_scale / self._fraction
+            # Losing part of the GPU slows every step by 1/F (in _scale).
+            cost = self.profile.step_seconds(batch) * self._scale
             self._step_cache[batch] = cost
         return cost
 
@@ -589,7 +596,7 @@ def _nearest_rank(samples: list[tuple[float, int]], q: float) -> float | None:
     total = sum(weight for _, weight in samples)
     if total == 0:
         return None
-    rank = max(1, math.ceil(q * total - _FLOOR_TOLERANCE))
+    rank = max(1, math.ceil(q * total - _EPS))
     seen = 0
     for value, weight in sorted(samples):
         seen += weight

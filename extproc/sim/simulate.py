@@ -48,7 +48,7 @@ from extproc.core.gatekeeper import Gatekeeper
 from extproc.core.intake import Intake
 from extproc.core.saturation import Reading
 from extproc.policy.schema import Policy
-from extproc.sim.engine import Engine, Finished, FirstToken, RequestRejected, parse_capacity_schedule
+from extproc.sim.engine import Engine, Finished, FirstToken, RequestRejected, capacity_schedule_arg
 from extproc.sim.profiles import Profile, get_profile
 from extproc.sim.report import Result, Slo, Summary, grouped, side_by_side, summarise
 from extproc.sim.workload import Arrivals, Client, Request, WorkloadSpec, generate, load_spec, retry_delay
@@ -181,7 +181,7 @@ class Simulator:
     def run(self, requests: Sequence[Request], policy: Policy | None, mode: str = Mode.POLICY) -> Run:
         """Simulate ``requests`` through ``policy`` (None: no admission control)."""
         rng = random.Random(self.seed)
-        engine = Engine(self.profile, self.time_scale)
+        engine = Engine(self.profile, self.time_scale, keep_latencies=True)
         clock = [0.0]
         gate = Gatekeeper(policy, rng=random.Random(self.seed)) if policy is not None else None
         intake = Intake(policy, gate.scheduler.estimator) if policy is not None and gate is not None else None
@@ -460,7 +460,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--profile", default="llama-70b-2xh100")
     parser.add_argument("--time-scale", type=float, default=0.1)
-    parser.add_argument("--capacity-schedule", type=_schedule, default=(), metavar="T:F,...",
+    parser.add_argument("--capacity-schedule", type=capacity_schedule_arg, default=(), metavar="T:F,...",
                         help="from T simulated seconds on, the engine runs at fraction F of its capacity "
                         "(slots, KV cache and step speed), e.g. 0:1,60:0.5,120:1")
     parser.add_argument("--fifo-cap", type=int, default=None,
@@ -471,13 +471,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "outcome); --json writes {\"verify\": {...}}")
     parser.add_argument("--json", dest="json_out", help="write the summaries here")
     parser.add_argument("--plot", help="write a PNG here")
-
-
-def _schedule(text: str) -> tuple[tuple[float, float], ...]:
-    try:
-        return parse_capacity_schedule(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _requests(args: argparse.Namespace, profile: Profile) -> tuple[list[Request], float, WorkloadSpec]:

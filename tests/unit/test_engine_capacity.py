@@ -4,58 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import random
-from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from functools import partial
 
 import pytest
 
 from extproc.sim.engine import (
     LATENCY_HISTORY_S,
     Engine,
-    Event,
-    Finished,
     FirstToken,
-    capacity_at,
     parse_capacity_schedule,
 )
-from extproc.sim.profiles import TEST, Profile
+from extproc.sim.profiles import TEST
+from tests.unit.test_sim_engine import _Reference, _workload, drive, finished, per_token
 
-Arrival = tuple[float, str, int, int]  # (time, id, prompt tokens, output tokens)
 #: TEST with room to halve: at F=0.5 it has 4 slots and 2048 KV tokens, above the one-request floor.
 ROOMY = dataclasses.replace(TEST, kv_cache_tokens=4096, max_running=8)
-
-
-def drive(engine: Engine, arrivals: list[Arrival], cancels: list[tuple[float, str]] | None = None,
-          capacity: list[tuple[float, float]] | None = None) -> list[Event]:
-    """Feed arrivals, cancels and capacity changes at their times; run until the engine is idle."""
-    inputs: list[tuple[float, Callable[[], object]]] = [
-        (at, partial(engine.add, rid, prompt, output, at)) for at, rid, prompt, output in arrivals
-    ]
-    inputs += [(at, partial(engine.cancel, rid, at)) for at, rid in cancels or []]
-    inputs += [(at, partial(engine.set_capacity, f, at)) for at, f in capacity or []]
-    inputs.sort(key=lambda x: x[0])
-    events: list[Event] = []
-    i = 0
-    while True:
-        nxt = engine.next_event_time()
-        if i < len(inputs) and (nxt is None or inputs[i][0] <= nxt):
-            inputs[i][1]()
-            i += 1
-        elif nxt is not None:
-            events += engine.advance(nxt)
-        else:
-            return events
-
-
-def finished(events: list[Event]) -> dict[str, Finished]:
-    return {e.req_id: e for e in events if isinstance(e, Finished)}
-
-
-def per_token(f: Finished) -> float:
-    return (f.e2e - f.ttft) / (f.output_tokens - 1)
 
 
 def nearest_rank(values: list[float], q: float = 0.95) -> float | None:
@@ -102,15 +64,6 @@ def test_bad_schedules_say_what_is_wrong(text: str, message: str) -> None:
     with pytest.raises(ValueError, match=r"^capacity schedule") as info:
         parse_capacity_schedule(text)
     assert message in str(info.value)
-
-
-def test_capacity_at_is_one_before_the_first_entry() -> None:
-    schedule = parse_capacity_schedule("10:0.5,20:0.75")
-    assert [capacity_at(schedule, t) for t in (0, 9.99, 10, 15, 20, 1e9)] == [1, 1, 0.5, 0.5, 0.75, 0.75]
-    assert capacity_at((), 5.0) == 1
-
-
-# -- capacity ---------------------------------------------------------------------------------------------
 
 
 def test_half_capacity_halves_slots_and_kv_and_doubles_step_times() -> None:
@@ -251,150 +204,13 @@ def test_the_same_fraction_again_changes_nothing() -> None:
 # -- the capacity changes against a plain step-by-step model -------------------------------------------
 
 
-@dataclass
-class _RefSeq:
-    rid: str
-    prompt: int
-    output: int
-    arrival: float
-    generated: int = 0
-    prefill_left: int = 0
-    scheduled: float | None = None
-    first: float | None = None
-    last: float | None = None
-    pre: int = 0
-
-
-@dataclass
-class _Reference:
-    """One step at a time, every sequence touched every step, capacity applied between steps."""
-
-    p: Profile
-    fraction: float = 1.0
-    waiting: deque[_RefSeq] = field(default_factory=deque)
-    running: list[_RefSeq] = field(default_factory=list)
-    events: list[tuple[str, str, float]] = field(default_factory=list)
-    itls: list[tuple[float, float]] = field(default_factory=list)  # (time, interval)
-    ttfts: list[tuple[float, float]] = field(default_factory=list)  # (time, ttft)
-
-    @property
-    def kv_cap(self) -> int:
-        return max(math.floor(self.fraction * self.p.kv_cache_tokens + 1e-9),
-                   self.p.max_model_len + self.p.block_size)
-
-    @property
-    def max_run(self) -> int:
-        return max(1, math.floor(self.fraction * self.p.max_running + 1e-9))
-
-    def kv(self) -> int:
-        return sum(s.prompt + s.generated for s in self.running)
-
-    def step(self, t: float) -> float | None:
-        p, decoding = self.p, [s for s in self.running if s.prefill_left == 0]
-        while True:
-            budget, chunks = p.max_batched_tokens - len(decoding), []
-            for s in self.running:
-                if s.prefill_left and budget > 0:
-                    chunks.append((s, min(s.prefill_left, budget)))
-                    budget -= chunks[-1][1]
-            growth = len(decoding) + sum(n == s.prefill_left for s, n in chunks)
-            fits = self.kv() + growth <= self.kv_cap and len(self.running) <= self.max_run
-            if fits or not self.running:
-                break
-            victim = self.running.pop()
-            if victim.prefill_left == 0:
-                victim.last = t
-            victim.prefill_left, victim.pre = 0, victim.pre + 1
-            self.waiting.appendleft(victim)
-            decoding = [s for s in self.running if s.prefill_left == 0]
-        while self.waiting and budget > 0 and len(self.running) < self.max_run:
-            s = self.waiting[0]
-            ctx = s.prompt + s.generated
-            if self.kv() + growth + ctx + p.block_size > self.kv_cap:
-                break
-            self.waiting.popleft()
-            self.running.append(s)
-            s.prefill_left = ctx
-            s.scheduled = t if s.scheduled is None else s.scheduled
-            chunks.append((s, min(ctx, budget)))
-            budget -= chunks[-1][1]
-            growth += chunks[-1][1] == ctx
-        if not decoding and not chunks:
-            return None
-        prefill = sum(n for _, n in chunks) / p.prefill_tokens_per_s
-        end = t + (p.step_seconds(len(decoding) + len(chunks)) + prefill) / self.fraction
-        for s in decoding:
-            s.generated += 1
-            self.itls.append((end, end - t))
-            s.last = end
-        for s, n in chunks:
-            s.prefill_left -= n
-            if s.prefill_left == 0:
-                s.generated += 1
-                if s.first is None:
-                    s.first = end
-                    self.events.append(("first", s.rid, end))
-                    self.ttfts.append((end, end - s.arrival))
-                else:
-                    assert s.last is not None
-                    self.itls.append((end, end - s.last))
-                s.last = end
-        for s in [s for s in self.running if s.prefill_left == 0 and s.generated >= s.output]:
-            self.running.remove(s)
-            self.events.append(("done", s.rid, end))
-        return end
-
-    def cancel(self, rid: str) -> None:
-        for group in (self.waiting, self.running):
-            for s in [s for s in group if s.rid == rid]:
-                group.remove(s)
-
-    def set_fraction(self, fraction: float) -> None:
-        self.fraction = fraction
-
-    def run(self, arrivals: list[Arrival], cancels: list[tuple[float, str]],
-            capacity: list[tuple[float, float]]) -> list[tuple[str, str, float]]:
-        inputs: list[tuple[float, Callable[[], None]]] = [
-            (at, partial(self.waiting.append, _RefSeq(rid, prompt, output, at)))
-            for at, rid, prompt, output in arrivals
-        ]
-        inputs += [(at, partial(self.cancel, rid)) for at, rid in cancels]
-        inputs += [(at, partial(self.set_fraction, f)) for at, f in capacity]
-        inputs.sort(key=lambda x: x[0])
-        t: float | None = None
-        for at, apply in inputs:
-            while t is not None and t <= at:
-                t = self.step(t)
-            apply()
-            if t is None:
-                t = self.step(at)
-        while t is not None:
-            t = self.step(t)
-        return self.events
-
-
-Workload = tuple[list[Arrival], list[tuple[float, str]], list[tuple[float, float]]]
-
-
-def _workload(seed: int, n: int = 150) -> Workload:
-    rng = random.Random(seed)
-    arrivals, t = [], 0.0
-    for i in range(n):
-        t += rng.expovariate(25)
-        arrivals.append((t, f"r{i}", rng.randint(1, 800), rng.randint(1, 220)))
-    cancels = [(rng.uniform(0, t), f"r{rng.randrange(n)}") for _ in range(10)]
-    changes = sorted(rng.uniform(0, t) for _ in range(6))
-    capacity = [(at, rng.choice((0.25, 0.5, 0.75, 1.0))) for at in changes]
-    return arrivals, cancels, capacity
-
-
 @pytest.mark.parametrize("seed", [1, 2, 3, 4])
 def test_capacity_changes_agree_with_a_step_by_step_model(seed: int) -> None:
     profile = dataclasses.replace(ROOMY, max_batched_tokens=512)  # chunked prefills too
     arrivals, cancels, capacity = _workload(seed)
     reference = _Reference(profile)
     expected = reference.run(arrivals, cancels, capacity)
-    engine = Engine(profile)
+    engine = Engine(profile, keep_latencies=True)
     got = [("first" if isinstance(e, FirstToken) else "done", e.req_id, e.time)
            for e in drive(engine, arrivals, cancels, capacity)]
     assert engine.preemptions > 0
@@ -434,7 +250,7 @@ def test_every_token_after_the_first_is_one_interval_through_preemptions() -> No
 
 
 def test_recent_percentiles_are_none_without_data_in_the_window() -> None:
-    engine = Engine(TEST)
+    engine = Engine(TEST, keep_latencies=True)
     assert engine.recent_ttft_p95(0.0) is None
     assert engine.recent_itl_p95(0.0) is None
     drive(engine, [(0.0, "a", 10, 20)])
@@ -449,7 +265,7 @@ def test_recent_percentiles_are_none_without_data_in_the_window() -> None:
 
 
 def test_recent_itl_sees_a_long_decode_while_it_runs() -> None:
-    engine = Engine(TEST)
+    engine = Engine(TEST, keep_latencies=True)
     engine.add("long", 10, 1000 - 10, 0.0)
     engine.advance(0.0)
     step = TEST.step_seconds(1)
@@ -463,7 +279,7 @@ def test_recent_itl_sees_a_long_decode_while_it_runs() -> None:
 
 
 def test_recent_itl_weighs_by_tokens_and_sees_a_slowdown() -> None:
-    engine = Engine(ROOMY)
+    engine = Engine(ROOMY, keep_latencies=True)
     engine.add("a", 10, 900, 0.0)
     engine.advance(0.0)
     step = ROOMY.step_seconds(1)
@@ -478,7 +294,7 @@ def test_recent_itl_weighs_by_tokens_and_sees_a_slowdown() -> None:
 
 
 def test_recent_ttft_p95_is_the_nearest_rank_over_the_window() -> None:
-    engine = Engine(TEST)
+    engine = Engine(TEST, keep_latencies=True)
     # One at a time, each alone: the TTFT is its prefill plus one step, and grows with the prompt.
     arrivals = [(float(i), str(i), 10 * (i + 1), 2) for i in range(40)]
     events = drive(engine, arrivals)
@@ -487,3 +303,11 @@ def test_recent_ttft_p95_is_the_nearest_rank_over_the_window() -> None:
     for window in (5.0, 20.0, 100.0):
         expected = nearest_rank([e.ttft for e in firsts if e.time > now - window])
         assert engine.recent_ttft_p95(now, window) == pytest.approx(expected)
+
+
+def test_an_engine_made_without_a_latency_record_says_so() -> None:
+    # The live backend exports histograms through on_interval and keeps no record (nobody reads it).
+    engine = Engine(TEST)
+    drive(engine, [(0.0, "a", 10, 5)])
+    with pytest.raises(RuntimeError, match="keep_latencies=True"):
+        engine.recent_itl_p95(1.0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import time
 from collections import deque
@@ -26,9 +27,9 @@ from extproc.sim.profiles import (
 Arrival = tuple[float, str, int, int]  # (time, id, prompt tokens, output tokens)
 
 
-def drive(engine: Engine, arrivals: list[Arrival],
-          cancels: list[tuple[float, str]] | None = None) -> list[Event]:
-    """Feed arrivals and cancels at their times; run until the engine is idle.
+def drive(engine: Engine, arrivals: list[Arrival], cancels: list[tuple[float, str]] | None = None,
+          capacity: list[tuple[float, float]] | None = None) -> list[Event]:
+    """Feed arrivals, cancels and capacity changes at their times; run until the engine is idle.
 
     Inputs due no later than the engine's next event go in first (``add`` keeps the events it
     passes for the next ``advance``), so a burst at one instant is scheduled together.
@@ -37,6 +38,7 @@ def drive(engine: Engine, arrivals: list[Arrival],
         (at, partial(engine.add, rid, prompt, output, at)) for at, rid, prompt, output in arrivals
     ]
     inputs += [(at, partial(engine.cancel, rid, at)) for at, rid in cancels or []]
+    inputs += [(at, partial(engine.set_capacity, f, at)) for at, f in capacity or []]
     inputs.sort(key=lambda x: x[0])
     events: list[Event] = []
     i = 0
@@ -312,17 +314,30 @@ class _RefSeq:
     prefill_left: int = 0
     scheduled: float | None = None
     first: float | None = None
+    last: float | None = None
     pre: int = 0
 
 
 @dataclass
 class _Reference:
-    """One step at a time, every sequence touched every step: slow and obviously right."""
+    """One step at a time, every sequence touched every step, capacity applied between steps."""
 
     p: Profile
+    fraction: float = 1.0
     waiting: deque[_RefSeq] = field(default_factory=deque)
     running: list[_RefSeq] = field(default_factory=list)
     events: list[tuple[str, str, float]] = field(default_factory=list)
+    itls: list[tuple[float, float]] = field(default_factory=list)  # (time, interval)
+    ttfts: list[tuple[float, float]] = field(default_factory=list)  # (time, ttft)
+
+    @property
+    def kv_cap(self) -> int:
+        return max(math.floor(self.fraction * self.p.kv_cache_tokens + 1e-9),
+                   self.p.max_model_len + self.p.block_size)
+
+    @property
+    def max_run(self) -> int:
+        return max(1, math.floor(self.fraction * self.p.max_running + 1e-9))
 
     def kv(self) -> int:
         return sum(s.prompt + s.generated for s in self.running)
@@ -336,16 +351,19 @@ class _Reference:
                     chunks.append((s, min(s.prefill_left, budget)))
                     budget -= chunks[-1][1]
             growth = len(decoding) + sum(n == s.prefill_left for s, n in chunks)
-            if self.kv() + growth <= p.kv_cache_tokens or not self.running:
+            fits = self.kv() + growth <= self.kv_cap and len(self.running) <= self.max_run
+            if fits or not self.running:
                 break
             victim = self.running.pop()
+            if victim.prefill_left == 0:
+                victim.last = t
             victim.prefill_left, victim.pre = 0, victim.pre + 1
             self.waiting.appendleft(victim)
             decoding = [s for s in self.running if s.prefill_left == 0]
-        while self.waiting and budget > 0 and len(self.running) < p.max_running:
+        while self.waiting and budget > 0 and len(self.running) < self.max_run:
             s = self.waiting[0]
             ctx = s.prompt + s.generated
-            if self.kv() + growth + ctx + p.block_size > p.kv_cache_tokens:
+            if self.kv() + growth + ctx + p.block_size > self.kv_cap:
                 break
             self.waiting.popleft()
             self.running.append(s)
@@ -357,9 +375,11 @@ class _Reference:
         if not decoding and not chunks:
             return None
         prefill = sum(n for _, n in chunks) / p.prefill_tokens_per_s
-        end = t + p.step_seconds(len(decoding) + len(chunks)) + prefill
+        end = t + (p.step_seconds(len(decoding) + len(chunks)) + prefill) / self.fraction
         for s in decoding:
             s.generated += 1
+            self.itls.append((end, end - t))
+            s.last = end
         for s, n in chunks:
             s.prefill_left -= n
             if s.prefill_left == 0:
@@ -367,6 +387,11 @@ class _Reference:
                 if s.first is None:
                     s.first = end
                     self.events.append(("first", s.rid, end))
+                    self.ttfts.append((end, end - s.arrival))
+                else:
+                    assert s.last is not None
+                    self.itls.append((end, end - s.last))
+                s.last = end
         for s in [s for s in self.running if s.prefill_left == 0 and s.generated >= s.output]:
             self.running.remove(s)
             self.events.append(("done", s.rid, end))
@@ -377,12 +402,17 @@ class _Reference:
             for s in [s for s in group if s.rid == rid]:
                 group.remove(s)
 
-    def run(self, arrivals: list[Arrival], cancels: list[tuple[float, str]]) -> list[tuple[str, str, float]]:
+    def set_fraction(self, fraction: float) -> None:
+        self.fraction = fraction
+
+    def run(self, arrivals: list[Arrival], cancels: list[tuple[float, str]],
+            capacity: list[tuple[float, float]]) -> list[tuple[str, str, float]]:
         inputs: list[tuple[float, Callable[[], None]]] = [
             (at, partial(self.waiting.append, _RefSeq(rid, prompt, output, at)))
             for at, rid, prompt, output in arrivals
         ]
         inputs += [(at, partial(self.cancel, rid)) for at, rid in cancels]
+        inputs += [(at, partial(self.set_fraction, f)) for at, f in capacity]
         inputs.sort(key=lambda x: x[0])
         t: float | None = None
         for at, apply in inputs:
@@ -396,16 +426,26 @@ class _Reference:
         return self.events
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_fast_forward_agrees_with_a_step_by_step_model(seed: int) -> None:
+Workload = tuple[list[Arrival], list[tuple[float, str]], list[tuple[float, float]]]
+
+
+def _workload(seed: int, n: int = 150) -> Workload:
     rng = random.Random(seed)
-    profile = dataclasses.replace(TEST, max_batched_tokens=512)  # force chunked prefills too
     arrivals, t = [], 0.0
-    for i in range(150):
+    for i in range(n):
         t += rng.expovariate(25)
         arrivals.append((t, f"r{i}", rng.randint(1, 800), rng.randint(1, 220)))
-    cancels = [(rng.uniform(0, t), f"r{rng.randrange(150)}") for _ in range(10)]
-    expected = _Reference(profile).run(arrivals, cancels)
+    cancels = [(rng.uniform(0, t), f"r{rng.randrange(n)}") for _ in range(10)]
+    changes = sorted(rng.uniform(0, t) for _ in range(6))
+    capacity = [(at, rng.choice((0.25, 0.5, 0.75, 1.0))) for at in changes]
+    return arrivals, cancels, capacity
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_fast_forward_agrees_with_a_step_by_step_model(seed: int) -> None:
+    profile = dataclasses.replace(TEST, max_batched_tokens=512)  # force chunked prefills too
+    arrivals, cancels, _ = _workload(seed)
+    expected = _Reference(profile).run(arrivals, cancels, [])
     engine = Engine(profile)
     got = [("first" if isinstance(e, FirstToken) else "done", e.req_id, e.time)
            for e in drive(engine, arrivals, cancels)]
