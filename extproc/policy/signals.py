@@ -161,8 +161,9 @@ class Signal(_Strict):
     q-quantile of the observations made during the last ``window``, over every target and every
     series that matches ``labels``: what Prometheus answers to
     ``histogram_quantile(q, sum by (le) (increase(x_bucket[window])))``. Linear interpolation
-    within the bucket; a quantile in the +Inf bucket is the highest finite bound; a bucket count
-    that goes down (a restarted engine) counts its new value as the increase. A window without
+    within the bucket; a quantile in the +Inf bucket is the highest finite bound. One difference:
+    when any bucket of a series goes down (a restarted engine) the whole series restarts and its
+    new counts are the increase (Prometheus' increase() resets each bucket on its own). A window without
     observations (an idle fleet) has no quantile: the reading fails with ``no_data`` and the last
     value ages out after ``stale_after`` like any other missing reading.
     """
@@ -324,10 +325,12 @@ def problems(signals: Signals, lanes: set[str]) -> list[str]:
                            f"give metric or preset")
             elif signal.metric is None and signal.preset is None:
                 out.append(f"{at}.metric: a signal on scrape source {signal.source!r} needs metric or preset")
-            if signal.quantile is not None and signal.span <= origin.interval:
+            if signal.quantile is not None and signal.span < 2 * origin.interval:
+                # Rounds slip a little past the interval: a window of one interval and a bit would
+                # often hold a single scrape, and so no increase at all.
                 out.append(
-                    f"{at}.window: {_seconds_text(signal.span)} is not above source {signal.source!r}'s "
-                    f"interval ({_seconds_text(origin.interval)}); the window would not hold two scrapes"
+                    f"{at}.window: {_seconds_text(signal.span)} is under two of source {signal.source!r}'s "
+                    f"intervals ({_seconds_text(origin.interval)}); the window must hold two scrapes"
                 )
         if signal.stale_after <= origin.interval:
             out.append(

@@ -243,8 +243,9 @@ class SignalHub:
                 if signal.quantile is not None:
                     if not self._current(signal_name, signal):
                         continue
+                    # A changed definition dropped its window (reconfigure): a missing one starts afresh.
                     window = self._windows.get(signal_name)
-                    if window is None or window.signal != signal:
+                    if window is None:
                         window = self._windows[signal_name] = scrape.HistogramWindow(signal)
                     window.observe(now, pages, config.targets)
                     value = window.value()

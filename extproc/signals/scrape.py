@@ -201,17 +201,25 @@ def read(signal: Signal, pages: Sequence[Page]) -> float:
     candidates = selectors(signal)
     values: list[float] = []
     for page in pages:
-        for selector in candidates:
-            found = [value for labels, value in page.get(selector.name, ())
-                     if not math.isnan(value) and selector.matches(labels)]
-            if found:
-                values.extend(found)
-                break
+        match = first_match(page, candidates)
+        if match is not None:
+            values.extend(value for _, value in match[1])
     if not values:
         wanted = " or ".join(str(s) for s in candidates)
         raise SignalError(ErrorKind.NO_DATA, f"none of the {len(pages)} target(s) that answered "
                                              f"exposes {wanted} with a number")
     return aggregate(values, signal.how)
+
+
+def first_match(page: Page, candidates: Sequence[Selector]) -> tuple[Selector, list[Sample]] | None:
+    """On one target's page, the first candidate with a matching series that has a number, and
+    those series (a target is read under the first name it exposes, so never counted twice)."""
+    for selector in candidates:
+        found = [(labels, value) for labels, value in page.get(selector.name, ())
+                 if not math.isnan(value) and selector.matches(labels)]
+        if found:
+            return selector, found
+    return None
 
 
 async def scrape(session: aiohttp.ClientSession, url: str, time_limit: float,
@@ -271,28 +279,28 @@ def histogram_quantile(q: float, buckets: Buckets) -> float | None:
     return start + (bounds[b] - start) * ((rank - below) / (counts[b] - below))
 
 
-def histogram_series(signal: Signal, page: Page) -> dict[SeriesKey, dict[float, float]]:
-    """The bucket counts of every histogram series ``signal`` reads on one target's page.
+def histogram_series(candidates: Sequence[Selector], page: Page) -> dict[SeriesKey, dict[float, float]]:
+    """The bucket counts of every histogram series on one target's page (``candidates``: a quantile
+    signal's ``selectors``).
 
     Per target the first candidate name with a matching series is read, as for gauges; buckets
     whose ``le`` or count is not a number are skipped.
     """
-    for selector in selectors(signal):
-        found: dict[SeriesKey, dict[float, float]] = {}
-        for labels, value in page.get(selector.name, ()):
-            if math.isnan(value) or not selector.matches(labels):
-                continue
-            try:
-                bound = float(labels.get("le", "nan"))
-            except ValueError:
-                continue
-            if math.isnan(bound):
-                continue
-            key = (selector.name, tuple(sorted((k, v) for k, v in labels.items() if k != "le")))
-            found.setdefault(key, {})[bound] = value
-        if found:
-            return found
-    return {}
+    match = first_match(page, candidates)
+    if match is None:
+        return {}
+    selector, samples = match
+    found: dict[SeriesKey, dict[float, float]] = {}
+    for labels, value in samples:
+        try:
+            bound = float(labels.get("le", "nan"))
+        except ValueError:
+            continue
+        if math.isnan(bound):
+            continue
+        key = (selector.name, tuple(sorted((k, v) for k, v in labels.items() if k != "le")))
+        found.setdefault(key, {})[bound] = value
+    return found
 
 
 def merge(parts: Sequence[tuple[Sequence[float], Sequence[float]]]) -> dict[float, float]:
@@ -321,7 +329,7 @@ class _Series:
     raw: tuple[float, ...]
     """The counts as last scraped, to tell a reset."""
     total: tuple[float, ...]
-    """Cumulative counts with every reset added back in: only ever grows."""
+    """Cumulative counts with every reset added back in (a new bucket layout starts it afresh)."""
     at: float
     """When ``total`` was scraped."""
     kept: deque[tuple[float, tuple[float, ...]]] = field(default_factory=deque)
@@ -368,13 +376,12 @@ class HistogramWindow:
         if signal.quantile is None:
             raise ValueError("a HistogramWindow reads a signal with quantile")
         self.signal = signal
+        self._selectors = selectors(signal)
         self._quantile = signal.quantile
         self._window = signal.span
         self._spacing = signal.span / MAX_SNAPSHOTS
         self._targets: dict[str, dict[SeriesKey, _Series]] = {}
         self._answered = 0
-        self._rounds = 0
-        """Rounds that found the histogram: the first only gives the baseline."""
 
     def observe(self, now: float, pages: Mapping[str, Page], targets: Collection[str] | None = None) -> None:
         """Record one round: target → its page for those that answered. Targets not in ``targets``
@@ -388,7 +395,7 @@ class HistogramWindow:
                 continue
             old = self._targets.get(target, {})
             new: dict[SeriesKey, _Series] = {}
-            for key, buckets in histogram_series(self.signal, page).items():
+            for key, buckets in histogram_series(self._selectors, page).items():
                 bounds = tuple(sorted(buckets))
                 raw = tuple(buckets[b] for b in bounds)
                 series = old.get(key)
@@ -402,38 +409,41 @@ class HistogramWindow:
             for series in series_of.values():
                 series.prune(start)
         self._answered = len(pages)
-        if any(self._targets.values()):
-            self._rounds += 1
 
     @property
     def snapshots(self) -> int:
         """Snapshots held, over every target and series (what bounds this window's memory)."""
         return sum(len(s.kept) for series_of in self._targets.values() for s in series_of.values())
 
+    def _parts(self) -> list[tuple[tuple[float, ...], tuple[float, ...]]]:
+        return [part for series_of in self._targets.values() for s in series_of.values()
+                if (part := s.increase()) is not None]
+
     def buckets(self) -> dict[float, float]:
         """The window's observations as cumulative buckets, summed over every target and series."""
-        parts = [part for series_of in self._targets.values() for s in series_of.values()
-                 if (part := s.increase()) is not None]
-        return merge(parts)
+        return merge(self._parts())
 
     def value(self) -> float | None:
-        """The quantile of the observations within the window; None while it has only its
-        baseline (the first round that found the histogram), which is not yet a reading.
+        """The quantile of the observations within the window; None while every series has only
+        its baseline (its first scrape), which is not yet a reading.
 
         Raises :class:`SignalError` (no_data) when no target exposes the histogram or nothing was
         observed within the window.
         """
-        wanted = " or ".join(str(s) for s in selectors(self.signal))
         if not any(self._targets.values()):
             raise SignalError(ErrorKind.NO_DATA, f"none of the {self._answered} target(s) that answered "
-                                                 f"exposes {wanted}")
-        if self._rounds < 2:
+                                                 f"exposes {self._wanted()}")
+        parts = self._parts()
+        if not parts:
             return None
-        buckets = self.buckets()
-        if buckets and math.inf not in buckets:
-            raise SignalError(ErrorKind.NO_DATA, f"{wanted} has no le=\"+Inf\" bucket")
+        buckets = merge(parts)
+        if math.inf not in buckets:
+            raise SignalError(ErrorKind.NO_DATA, f"{self._wanted()} has no le=\"+Inf\" bucket")
         value = histogram_quantile(self._quantile, buckets)
         if value is None:
-            raise SignalError(ErrorKind.NO_DATA, f"no observations of {wanted} in the last "
+            raise SignalError(ErrorKind.NO_DATA, f"no observations of {self._wanted()} in the last "
                                                  f"{self._window:g}s")
         return value
+
+    def _wanted(self) -> str:
+        return " or ".join(str(s) for s in self._selectors)

@@ -24,6 +24,7 @@ from extproc.signals.scrape import (
     names_of,
     parse_page,
     read,
+    selectors,
 )
 
 INF = math.inf
@@ -124,14 +125,15 @@ def test_only_bucket_lines_are_parsed_for_a_quantile_signal() -> None:
     page = parse_page(histogram((1, 2, 3, 4), model_name="m") + "ttft_other 5\n", names_of([s]))
     assert list(page) == ["ttft_bucket"]
     assert [labels["le"] for labels, _ in page["ttft_bucket"]] == list(LE)
-    assert histogram_series(s, page) == {("ttft_bucket", (("model_name", "m"),)):
+    assert histogram_series(selectors(s), page) == {("ttft_bucket", (("model_name", "m"),)):
                                          {0.1: 1.0, 0.5: 2.0, 1.0: 3.0, INF: 4.0}}
 
 
 def test_buckets_without_a_number_are_skipped() -> None:
     s = signal()
     text = 'ttft_bucket{le="0.1"} NaN\nttft_bucket{le="soon"} 3\nttft_bucket{le="+Inf"} 4\nttft_bucket 9\n'
-    assert histogram_series(s, parse_page(text, names_of([s]))) == {("ttft_bucket", ()): {INF: 4.0}}
+    page = parse_page(text, names_of([s]))
+    assert histogram_series(selectors(s), page) == {("ttft_bucket", ()): {INF: 4.0}}
 
 
 def test_the_presets_list_every_preset_and_histograms_add_up() -> None:
@@ -155,6 +157,15 @@ def test_the_first_round_is_only_the_baseline() -> None:
     assert r.at(0, a=histogram((5, 5, 5, 5))) is None
     # 10 observations in (0.1, 0.5] since: the median is half-way through that bucket.
     assert r.at(1, a=histogram((5, 15, 15, 15))) == pytest.approx(0.3)
+
+
+def test_a_series_seen_for_the_first_time_later_is_a_baseline_too_not_an_error() -> None:
+    r = Rounds()
+    r.at(0, a=histogram((5, 5, 5, 5)))
+    assert r.at(1, a=histogram((5, 15, 15, 15))) == pytest.approx(0.3)
+    # Target a is replaced by b: b's first scrape is only its baseline, no reading and no error.
+    assert r.at(2, targets=["b"], b=histogram((1, 1, 1, 1))) is None
+    assert r.at(3, targets=["b"], b=histogram((1, 11, 11, 11))) == pytest.approx(0.3)
 
 
 def test_observations_older_than_the_window_stop_counting() -> None:

@@ -252,11 +252,15 @@ def test_the_loader_names_the_key_of_a_quantile_error() -> None:
      "(use histogram_quantile in the query)"),
     (lambda d: d["read"].update(ttft={"source": "engines", "preset": "ttft_seconds", "quantile": 0.95,
                                       "window": "2s"}),
-     "signals.read.ttft.window: 2s is not above source 'engines''s interval (2s); the window would not "
+     "signals.read.ttft.window: 2s is under two of source 'engines''s intervals (2s); the window must "
      "hold two scrapes"),
     (lambda d: d["read"].update(ttft={"source": "engines", "metric": "vllm:time_to_first_token_seconds",
                                       "quantile": 0.5, "window": "1s"}),
-     "signals.read.ttft.window: 1s is not above source 'engines''s interval (2s); the window would not "
+     "signals.read.ttft.window: 1s is under two of source 'engines''s intervals (2s); the window must "
+     "hold two scrapes"),
+    (lambda d: d["read"].update(ttft={"source": "engines", "preset": "ttft_seconds", "quantile": 0.95,
+                                      "window": "3.9s"}),
+     "signals.read.ttft.window: 3.9s is under two of source 'engines''s intervals (2s); the window must "
      "hold two scrapes"),
     (lambda d: d["read"]["pending"].update(labels={"status": "active"}),
      "signals.read.pending.labels: only for scrape sources; 'prom' is a prometheus source "
