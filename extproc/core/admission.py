@@ -295,6 +295,17 @@ class Scheduler:
     def total_queued(self) -> int:
         return sum(len(q) for q in self._queues.values())
 
+    @property
+    def held_back(self) -> bool:
+        """Whether requests wait only for want of a slot: a lane has a queue and is at its share or
+        the fleet is at its limit (not paused, closed, refused by the store, or shrunk by saturation).
+        What a self-sizing limit asks before it grows: would more slots let more work start?"""
+        for name, lane in self._lanes.items():
+            if (self._queues[name] and name not in self._effects and name not in self.paused
+                    and name not in self.blocked and not lane.closed and not self._admissible(lane)):
+                return True
+        return False
+
     def occupancy(self) -> float:
         return self.total_inflight / self._capacity
 

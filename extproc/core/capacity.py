@@ -9,15 +9,20 @@ token (TPOT) p95.
   times over at once) means the limit lets more requests in than the engines run at once: the
   limit drops to what runs now, less the excess (min(limit, in flight) − (waiting − queue)), at
   most halving in one move. A latency percentile above its target cuts the limit in proportion
-  (target / observed, between ×0.5 and ×0.9). Percentiles look back over a window, so after a
-  fall they may not cut again for ``cooldown``; the queue always may (it is a gauge).
+  (target / observed, between ×0.5 and ×0.95). A percentile looks back over its window (the
+  signal's ``window``, or a query's ``[range]``), so after a fall it may cut again only once that
+  window and ``cooldown`` have passed; the queue always may (it is a gauge). Each fall remembers
+  where the engines had too many: what ran then (not a limit far above it).
 * **Grow carefully.** Only while every fresh signal has headroom (no engine queue beyond the
   target, latencies below 90 % of their targets) *and* the limit is what holds traffic back
-  (in flight ≥ 90 % of the limit, or ≥ 75 % while requests queue in extproc): a limit far above
-  what runs is not grown further (it would only let a burst flood the engines). Until the first
-  fall it doubles per interval (a slow start, as TCP's: from ``min`` to hundreds in seconds); after that +5 %
-  (at least one slot) per interval, a step that doubles with each consecutive growth up to +25 %
-  and falls back to +5 % after any fall. A limit that nothing presses against never drifts up.
+  (in flight ≥ 90 % of the limit, or ≥ 75 % while requests wait in extproc's queues for want of a
+  slot): a limit far above what runs is not grown further (it would only let a burst flood the
+  engines). Until the first fall it doubles per interval (a slow start, as TCP's: from ``min`` to
+  hundreds in seconds). After that, as TCP CUBIC: quickly (+5 %, doubling per growth up to +25 %)
+  back up to 95 % of where the last fall began, then +1 % (at least one slot) per interval through
+  ±5 % of it, and past that, where nothing said "too many" yet, quickly again. A limit that nothing
+  presses against never drifts up; the saw-tooth of a plain additive increase is damped where it
+  used to break.
 * **Stale or missing signals.** With no fresh signal the last limit holds for ``stale_hold``,
   then decays by 10 % per interval to ``min``; the state says so.
 * **Unreachable targets** (a TPOT of 1 ms): the limit stops at ``min`` and the state says the
@@ -41,12 +46,16 @@ from extproc.policy.schema import AutoCapacity, Policy
 from extproc.policy.signals import Signals
 
 #: Most of the excess one fall may take off; the largest and smallest proportional cuts.
-_MAX_CUT, _CUT_FLOOR, _CUT_CEILING = 0.5, 0.5, 0.9
+_MAX_CUT, _CUT_FLOOR, _CUT_CEILING = 0.5, 0.5, 0.95
 #: Growth per interval: first step, largest step (consecutive growths double it up to this).
 _GROW_FIRST, _GROW_MAX = 0.05, 0.25
+#: Near the last fall's starting point (within this share of it) growth creeps by _CREEP (at
+#: least one slot) per interval: that is where the engines said "too many" last time.
+_NEAR, _CREEP = 0.05, 0.01
 #: Headroom: latencies below this share of their target. Pressure: in flight at _PRESSED of the
-#: limit, or at _PRESSED_QUEUED of it while requests queue in extproc (a lane at its share).
-_HEADROOM, _PRESSED, _PRESSED_QUEUED = 0.9, 0.9, 0.75
+#: limit, or at _PRESSED_HELD of it while requests wait in extproc's queues for want of a slot (a
+#: lane at its share). Not less: a limit far above what runs would only let a burst flood the engines.
+_HEADROOM, _PRESSED, _PRESSED_HELD = 0.9, 0.9, 0.75
 #: An engine queue this many times the target (+1) is acted on at once; a smaller one only when
 #: the previous tick saw one too (a request that arrived just before the sample waits one step).
 _CLEAR_QUEUE = 4
@@ -104,6 +113,9 @@ class AutoLimit:
         self._last_cut: float = -math.inf
         self._growth = _GROW_FIRST
         self._slow_start = True
+        self._ceiling: float | None = None
+        self._lookback: dict[Role, float] = {}
+        self._look(signals)
         self._queueing = False
         self._stale_since: float | None = None
         self._values: dict[str, float | None] = {}
@@ -119,6 +131,7 @@ class AutoLimit:
     def reconfigure(self, auto: AutoCapacity, signals: Signals, now: float) -> Move | None:
         """A new policy: keep the limit learned so far, clamped into the new bounds."""
         self.auto, self._signals = auto, signals
+        self._look(signals)
         clamped = min(max(self._value, auto.min), auto.max)
         if int(clamped) != self.limit:
             before = self.limit
@@ -134,11 +147,12 @@ class AutoLimit:
         return AutoState(self.limit, self.auto.min, self.auto.max, self.auto.shadow, self._reason, self._why,
                          self._since, self._stale_since is not None, self._unreachable, dict(self._values))
 
-    def update(self, readings: Mapping[str, Reading], inflight: int, queued: int, now: float) -> Move | None:
+    def update(self, readings: Mapping[str, Reading], inflight: int, held: bool, now: float) -> Move | None:
         """Look at the latest readings; move the limit if an interval has passed and they say so.
 
         ``inflight``: requests running under this limit (fleet-wide with a shared store);
-        ``queued``: requests waiting in extproc's own queues.
+        ``held``: requests wait in extproc's queues only for want of a slot (a lane at its share of
+        the limit, or the fleet at the limit: ``Scheduler.held_back``).
         """
         if self._last_tick is not None and now - self._last_tick < self.auto.interval:
             return None
@@ -149,7 +163,7 @@ class AutoLimit:
         if not fresh:
             return self._stale(now)
         self._stale_since = None
-        auto, before = self.auto, self.limit
+        auto, before, was = self.auto, self.limit, self._value
         target = auto.target
         waiting = fresh.get("waiting")
         queueing = waiting is not None and waiting > target.queue
@@ -158,23 +172,27 @@ class AutoLimit:
             excess = waiting - target.queue
             running = min(self._value, float(inflight))
             self._value = max(float(auto.min), running - excess, self._value * (1 - _MAX_CUT))
-            self._cut(now)
+            self._cut(now, min(was, max(float(inflight), self._value)))
             return self._moved(before, now, "engine_queue",
                                f"the engines queue {waiting:g} requests (target {target.queue})")
         over: list[tuple[float, Reason, str]] = []
+        over_roles: list[Role] = []
         checks: tuple[tuple[Role, Reason], ...] = (("ttft_p95", "ttft"), ("tpot_p95", "tpot"))
         for role, reason in checks:
             value, goal = fresh.get(role), getattr(target, role)
             if value is not None and goal is not None and value > goal:
                 over.append((goal / value, reason, f"{role} {_ms(value)} > target {_ms(goal)}"))
+                over_roles.append(role)
         if over:
             ratio, reason, text = min(over)
             at_min = self._value <= auto.min
             self._unreachable = f"{text} at min {auto.min}" if at_min else None
-            if at_min or now - self._last_cut < auto.cooldown:
+            # A percentile still holds what it saw before the last fall until its window has passed.
+            wait = max([auto.cooldown, *(self._lookback.get(role, 0.0) for role in over_roles)])
+            if at_min or now - self._last_cut < wait:
                 return None
             self._value = max(float(auto.min), self._value * min(max(ratio, _CUT_FLOOR), _CUT_CEILING))
-            self._cut(now)
+            self._cut(now, min(was, max(float(inflight), self._value)))
             return self._moved(before, now, reason, text)
         self._unreachable = None
         headroom = all(
@@ -184,15 +202,10 @@ class AutoLimit:
         )
         if queueing:
             return None  # one sample of a queue: neither grow nor fall until the next tick says
-        pressed = inflight >= _PRESSED * self._value or (
-            queued > 0 and inflight >= _PRESSED_QUEUED * self._value)
+        pressed = inflight >= (_PRESSED_HELD if held else _PRESSED) * self._value
         if not headroom or not pressed or self._value >= auto.max:
             return None
-        if self._slow_start:
-            self._value = min(float(auto.max), self._value * 2)
-        else:
-            self._value = min(float(auto.max), max(self._value * (1 + self._growth), self._value + 1))
-            self._growth = min(self._growth * 2, _GROW_MAX)
+        self._value = min(float(auto.max), self._grown())
         seen = ", ".join(f"{role} {_fmt(role, fresh[role])}" for role in sorted(fresh))
         return self._moved(before, now, "headroom", f"headroom: {seen}")
 
@@ -225,7 +238,30 @@ class AutoLimit:
         why = f"no fresh signal for {quiet:.0f}s: decaying to min {self.auto.min}"
         return self._moved(before, now, "stale", why)
 
-    def _cut(self, now: float) -> None:
+    def _grown(self) -> float:
+        value, ceiling = self._value, self._ceiling
+        if self._slow_start:
+            return value * 2
+        if ceiling is not None and ceiling * (1 - _NEAR) <= value < ceiling * (1 + _NEAR):
+            self._growth = _GROW_FIRST  # past the old fall point without trouble: probe anew
+            return max(value * (1 + _CREEP), value + 1)
+        grown = max(value * (1 + self._growth), value + 1)
+        self._growth = min(self._growth * 2, _GROW_MAX)
+        if ceiling is not None and value < ceiling * (1 - _NEAR):
+            return min(grown, max(ceiling * (1 - _NEAR), value + 1))
+        return grown
+
+    def _look(self, signals: Signals) -> None:
+        self._lookback = {}
+        for role in ROLES:
+            name = getattr(self.auto.signals, role)
+            signal = signals.read.get(name) if name is not None else None
+            if signal is not None and signal.lookback is not None:
+                self._lookback[role] = signal.lookback
+
+    def _cut(self, now: float, trouble: float) -> None:
+        """``trouble``: the concurrency the engines could not take (what ran, not a limit above it)."""
+        self._ceiling = trouble
         self._slow_start = False
         self._last_cut = now
         self._growth = _GROW_FIRST

@@ -126,7 +126,7 @@ class Gatekeeper:
         if self.auto is not None:
             scheduler = self.scheduler
             inflight = fleet_inflight if fleet_inflight is not None else scheduler.total_inflight
-            move = self.auto.update(readings, inflight, scheduler.total_queued, now)
+            move = self.auto.update(readings, inflight, scheduler.held_back, now)
             if move is not None and not self.fleet_managed:
                 decisions.extend(self.set_limit(move.limit, now))
         return Signalled(changes, decisions, move)

@@ -20,6 +20,7 @@ one model (unknown names, a query on a scrape source, thresholds out of order) l
 
 from __future__ import annotations
 
+import re
 import urllib.parse
 from collections.abc import Collection
 from typing import Annotated, Literal, get_args
@@ -46,6 +47,8 @@ OnStale = Literal["ignore", "saturated", "hold"]
 GaugePreset = Literal["kv_cache_usage", "waiting_requests", "running_requests"]
 #: How far back a quantile looks when ``window`` is not given (seconds).
 DEFAULT_WINDOW = 30.0
+#: A PromQL range selector's duration, e.g. ``[30s]`` in ``rate(x[30s])``.
+_RANGE = re.compile(r"\[(\d+(?:\.\d+)?)(ms|s|m|h)\]")
 
 #: Presets that name a histogram: read only as a percentile (``quantile``) over a ``window``.
 HistogramPreset = Literal["ttft_seconds", "inter_token_latency_seconds"]
@@ -224,6 +227,17 @@ class Signal(_Strict):
     def span(self) -> float:
         """The window a quantile looks back over (``window``, default 30 s)."""
         return self.window if self.window is not None else DEFAULT_WINDOW
+
+    @property
+    def lookback(self) -> float | None:
+        """How far back one reading reaches: a quantile's window, or a query's range (``[30s]``,
+        the first one); None for a reading of the present (a gauge)."""
+        if self.quantile is not None:
+            return self.span
+        found = _RANGE.search(self.query or "")
+        if found is None:
+            return None
+        return float(found[1]) * {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}[found[2]]
 
     @model_validator(mode="after")
     def _metric_or_preset(self) -> Signal:

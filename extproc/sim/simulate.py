@@ -32,7 +32,6 @@ import heapq
 import json
 import math
 import random
-import re
 import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -158,13 +157,8 @@ def engine_signals(policy: Policy) -> dict[str, str]:
 
 
 def _window(policy: Policy, name: str) -> float:
-    signal = policy.signals.read[name]
-    if signal.quantile is not None:
-        return signal.span
-    found = re.search(r"\[(\d+(?:\.\d+)?)(ms|s|m)\]", signal.query or "")
-    if found is None:
-        return _DEFAULT_WINDOW
-    return float(found[1]) * {"ms": 0.001, "s": 1.0, "m": 60.0}[found[2]]
+    lookback = policy.signals.read[name].lookback
+    return _DEFAULT_WINDOW if lookback is None else lookback
 
 
 class Simulator:

@@ -669,3 +669,22 @@ SchedulerMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestSchedulerProperties = SchedulerMachine.TestCase
+
+
+def test_held_back_says_whether_more_slots_would_let_queued_work_start() -> None:
+    from extproc.core.saturation import Effect
+
+    p = make_policy([lane("a", 2), lane("b", 2)])
+    s = scheduler(p)
+    assert not s.held_back  # nothing queued
+    for _ in range(2):
+        submit(s, "a", 0)
+    assert not s.held_back  # at its share, but nothing waits
+    assert submit(s, "a", 0).outcome is Outcome.QUEUED
+    assert s.held_back  # a lane at its share with a queue: a larger limit lets it start
+    s.pause("a")
+    assert not s.held_back  # paused: slots are not what holds it
+    s.resume("a", 0)
+    assert s.held_back
+    s.apply_saturation({"a": Effect(signal="kv", factor=0.5, shrunk_by="kv-high")}, 0)
+    assert not s.held_back  # shrunk by a saturation rule: the engines said so, not the limit

@@ -56,19 +56,19 @@ def auto_of(p: Policy) -> AutoLimit:
 def test_it_grows_only_while_there_is_headroom_and_the_limit_holds_traffic_back() -> None:
     a = auto_of(policy())
     assert a.limit == 4  # starts at min
-    assert a.update(readings(0), inflight=1, queued=0, now=0) is None  # nothing presses against it
-    move = a.update(readings(2), inflight=4, queued=0, now=2)
+    assert a.update(readings(0), inflight=1, held=False, now=0) is None  # nothing presses against it
+    move = a.update(readings(2), inflight=4, held=False, now=2)
     assert move is not None
     assert (move.previous, move.limit, move.reason) == (4, 8, "headroom")  # slow start: doubling
-    assert a.update(readings(4), inflight=5, queued=3, now=4) is None  # a limit far above what runs
-    a.update(readings(6), inflight=8, queued=0, now=6)
+    assert a.update(readings(4), inflight=5, held=True, now=4) is None  # a limit far above what runs
+    a.update(readings(6), inflight=8, held=False, now=6)
     assert a.limit == 16
     # The first fall ends the slow start; from then on +5 %, doubling per growth up to +25 %.
-    a.update(readings(8, waiting=50), inflight=16, queued=0, now=8)
+    a.update(readings(8, waiting=50), inflight=16, held=False, now=8)
     assert a.limit == 8
     limits = [a.limit]
     for t in range(10, 50, 2):
-        a.update(readings(t), inflight=a.limit, queued=0, now=t)
+        a.update(readings(t), inflight=a.limit, held=False, now=t)
         limits.append(a.limit)
     assert limits == sorted(limits)
     assert limits[1] == 9
@@ -78,56 +78,107 @@ def test_it_grows_only_while_there_is_headroom_and_the_limit_holds_traffic_back(
 
 def test_moves_at_most_once_per_interval() -> None:
     a = auto_of(policy(interval="2s"))
-    assert a.update(readings(0), 4, 0, 0) is not None
-    assert a.update(readings(1), 8, 0, 1) is None
-    assert a.update(readings(2), 8, 0, 2) is not None
+    assert a.update(readings(0), 4, False, 0) is not None
+    assert a.update(readings(1), 8, False, 1) is None
+    assert a.update(readings(2), 8, False, 2) is not None
 
 
 def test_one_sample_of_a_small_engine_queue_is_not_yet_a_fall() -> None:
     a = auto_of(policy(start=100))
-    assert a.update(readings(0, waiting=2), inflight=100, queued=50, now=0) is None  # nor a growth
+    assert a.update(readings(0, waiting=2), inflight=100, held=True, now=0) is None  # nor a growth
     assert a.limit == 100
-    assert a.update(readings(2, waiting=0), inflight=100, queued=50, now=2) is not None  # gone: grows
+    assert a.update(readings(2, waiting=0), inflight=100, held=True, now=2) is not None  # gone: grows
     assert a.limit == 200
-    assert a.update(readings(4, waiting=2), inflight=180, queued=50, now=4) is None
-    move = a.update(readings(6, waiting=3), inflight=180, queued=50, now=6)  # still there: falls
+    assert a.update(readings(4, waiting=2), inflight=180, held=True, now=4) is None
+    move = a.update(readings(6, waiting=3), inflight=180, held=True, now=6)  # still there: falls
     assert move is not None
     assert (move.limit, move.reason) == (177, "engine_queue")  # what runs (180) less the excess
 
 
 def test_an_engine_queue_takes_the_excess_off_at_once() -> None:
     a = auto_of(policy(start=100))
-    move = a.update(readings(0, waiting=30), inflight=100, queued=50, now=0)
+    move = a.update(readings(0, waiting=30), inflight=100, held=True, now=0)
     assert move is not None
     assert (move.limit, move.reason) == (70, "engine_queue")
     assert "queue 30" in move.why
     # A huge queue cuts at most half at once, and never below min.
-    move = a.update(readings(2, waiting=1000), inflight=70, queued=50, now=2)
+    move = a.update(readings(2, waiting=1000), inflight=70, held=True, now=2)
     assert move is not None
     assert move.limit == 35
     for t in range(4, 40, 2):
-        a.update(readings(t, waiting=1000), 35, 0, t)
+        a.update(readings(t, waiting=1000), 35, False, t)
     assert a.limit == 4
 
 
 def test_a_latency_over_target_cuts_in_proportion_then_waits_for_the_window() -> None:
     a = auto_of(policy(start=100, cooldown="6s"))
-    move = a.update(readings(0, tpot=0.0625), inflight=100, queued=0, now=0)  # 50 / 62.5 = 0.8
+    move = a.update(readings(0, tpot=0.0625), inflight=100, held=False, now=0)  # 50 / 62.5 = 0.8
     assert move is not None
     assert (move.limit, move.reason) == (80, "tpot")
-    assert a.update(readings(2, tpot=0.2), 80, 0, 2) is None  # within the cooldown: the p95 lags
-    move = a.update(readings(6, tpot=0.2), 80, 0, 6)
+    assert a.update(readings(2, tpot=0.2), 80, False, 2) is None  # within the cooldown: the p95 lags
+    move = a.update(readings(6, tpot=0.2), 80, False, 6)
     assert move is not None
     assert move.limit == 40  # cut at most by half
-    move = a.update(readings(12, ttft=1.05), 40, 0, 12)
+    move = a.update(readings(12, ttft=1.05), 40, False, 12)
     assert move is not None
-    assert (move.limit, move.reason) == (36, "ttft")  # at least 10 %
+    assert (move.limit, move.reason) == (38, "ttft")  # at least 5 %
+
+
+def test_a_percentile_cuts_again_only_after_its_window_has_passed() -> None:
+    # The p95 over the last 10 s still holds what the engines did before the first cut: a second
+    # cut 6 s later would act on the same samples twice.
+    p = policy(start=100, cooldown="6s")
+    signals = p.signals.model_copy(update={"read": {
+        **p.signals.read,
+        "tpot": p.signals.read["tpot"].model_copy(update={"metric": None, "query": "tpot_p95[10s]"}),
+    }})
+    assert p.signals.read["tpot"].lookback is None
+    assert signals.read["tpot"].lookback == 10.0
+    assert p.capacity.auto is not None
+    a = AutoLimit(p.capacity.auto, signals)
+    assert a.update(readings(0, tpot=0.0625), inflight=100, held=False, now=0) is not None
+    assert a.limit == 80
+    assert a.update(readings(6, tpot=0.2), 80, False, 6) is None  # past the cooldown, not the window
+    move = a.update(readings(10, tpot=0.2), 80, False, 10)
+    assert move is not None
+    assert move.limit == 40
+
+
+def test_growth_creeps_past_the_point_of_the_last_fall_then_probes_on() -> None:
+    a = auto_of(policy(start=100))
+    # The engines queue at 100 running: the limit falls to 90, and 100 is remembered.
+    assert a.update(readings(0, waiting=10), inflight=100, held=True, now=0) is not None
+    assert a.limit == 90
+    limits = [a.limit]
+    for t in range(2, 40, 2):
+        a.update(readings(t), inflight=a.limit, held=True, now=t)
+        limits.append(a.limit)
+    assert limits[:4] == [90, 94, 95, 96]  # quickly back near 100 (95 %), then one slot at a time
+    near = [limit for limit in limits if 95 <= limit < 105]
+    assert len(near) >= 8  # the creep through [95, 105)
+    assert limits[-1] > 120  # past it nothing said "too many": the growth speeds up again
+    assert limits == sorted(limits)
+
+
+def test_the_point_of_a_fall_is_what_ran_not_a_limit_far_above_it() -> None:
+    a = auto_of(policy(start=200))
+    # Limit 200, but only 60 ran when the engines queued: 60 is where they had too many.
+    assert a.update(readings(0, waiting=20), inflight=60, held=False, now=0) is not None
+    assert a.limit == 100  # at most halved in one move
+    assert a.update(readings(2, waiting=20), inflight=60, held=False, now=2) is not None
+    assert a.limit == 50  # 60 running less the excess of 20, but at most halved
+    # Growing back: quickly to 95 % of 60, then one slot per interval.
+    grown = []
+    for t in range(4, 20, 2):
+        a.update(readings(t), inflight=a.limit, held=True, now=t)
+        grown.append(a.limit)
+    assert grown[:4] == [52, 57, 58, 59]
 
 
 def test_an_unreachable_target_stops_at_min_and_says_so() -> None:
     a = auto_of(policy(start=8, cooldown=0, target={"tpot_p95": "1ms"}))
     for t in range(0, 40, 2):
-        a.update(readings(t, tpot=0.02), 8, 0, t)
+        a.update(readings(t, tpot=0.02), 8, False, t)
     assert a.limit == 4
     state = a.state()
     assert state.unreachable is not None
@@ -136,25 +187,25 @@ def test_an_unreachable_target_stops_at_min_and_says_so() -> None:
 
 def test_stale_signals_hold_then_decay_to_min_and_say_so() -> None:
     a = auto_of(policy(start=100, stale_hold="10s"))
-    a.update(readings(0), 50, 0, 0)
+    a.update(readings(0), 50, False, 0)
     # Readings of t=0 go stale after 5 s.
     for t in range(2, 12, 2):
-        a.update(readings(0), 50, 0, t)
+        a.update(readings(0), 50, False, t)
     assert a.limit == 100
     assert a.state().stale
     assert a.state().reason == "stale"
-    moves = [a.update(readings(0), 50, 0, t) for t in range(16, 120, 2)]
+    moves = [a.update(readings(0), 50, False, t) for t in range(16, 120, 2)]
     assert a.limit == 4
     assert any(m is not None and "decaying to min 4" in m.why for m in moves)
     # A fresh reading ends it.
-    a.update(readings(120), 4, 0, 120)
+    a.update(readings(120), 4, False, 120)
     assert not a.state().stale
 
 
 def test_missing_signals_count_as_stale() -> None:
     a = auto_of(policy(start=20, stale_hold="2s"))
-    assert a.update({}, 20, 0, 0) is None  # the first stale tick starts the hold
-    move = a.update({}, 20, 0, 2)
+    assert a.update({}, 20, False, 0) is None  # the first stale tick starts the hold
+    move = a.update({}, 20, False, 2)
     assert move is not None
     assert move.reason == "stale"
 
@@ -179,7 +230,7 @@ def test_the_limit_never_leaves_its_bounds(steps: list[tuple[float, float, float
     t = 0.0
     for waiting, tpot, ttft, inflight, fresh in steps:
         t += 2
-        a.update(readings(t if fresh else 0, waiting, tpot, ttft), inflight, 0, t)
+        a.update(readings(t if fresh else 0, waiting, tpot, ttft), inflight, False, t)
         assert lo <= a.limit <= lo + span
 
 

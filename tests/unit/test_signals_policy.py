@@ -116,6 +116,18 @@ def test_a_quantile_signal_parses_its_window() -> None:
     assert problems_of(raw) == []
 
 
+def test_lookback_is_how_far_back_one_reading_reaches() -> None:
+    assert Signal.model_validate({"source": "engines", "preset": "ttft_seconds", "quantile": 0.95,
+                                  "window": "1m"}).lookback == 60.0
+    assert Signal.model_validate({"source": "engines", "preset": "ttft_seconds",
+                                  "quantile": 0.95}).lookback == 30.0
+    assert Signal.model_validate({"source": "engines", "preset": "waiting_requests"}).lookback is None
+    query = "histogram_quantile(0.95, sum by (le) (rate(vllm:time_to_first_token_seconds_bucket[2m])))"
+    assert Signal.model_validate({"source": "prom", "query": query}).lookback == 120.0
+    gauge = Signal.model_validate({"source": "prom", "query": "max(vllm:num_requests_waiting)"})
+    assert gauge.lookback is None
+
+
 def test_models_are_frozen() -> None:
     signals = Signals.model_validate(data())
     with pytest.raises(ValidationError):
