@@ -19,12 +19,13 @@ import json
 import random
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
+from extproc.sim import traces
 from extproc.sim.report import Result, Slo, Summary, grouped, length_class
 from extproc.sim.workload import (
     Arrivals,
@@ -33,7 +34,6 @@ from extproc.sim.workload import (
     WorkloadSpec,
     generate,
     load_spec,
-    read_trace,
     retry_delay,
     write_trace,
 )
@@ -42,13 +42,13 @@ from extproc.sim.workload import (
 Progress = Callable[[float, int, int], None]
 
 
-def progress_printer(label: str, total: int) -> Progress:
+def progress_printer(label: str, total: int | None) -> Progress:
     """Progress on stderr: one line rewritten in place on a terminal, a line every 10 s otherwise."""
     tty = sys.stderr.isatty()
     last = [-10.0]
 
     def show(elapsed: float, started: int, finished: int) -> None:
-        line = f"  [{label}] {elapsed:5.0f}s  sent {started:5d}/{total}  finished {finished:5d}"
+        line = f"  [{label}] {elapsed:5.0f}s  sent {started:5d}/{total or '?'}  finished {finished:5d}"
         if tty:
             print(f"\r{line}", end="", file=sys.stderr, flush=True)
         elif elapsed - last[0] >= 10.0:
@@ -118,18 +118,20 @@ async def _one(session: aiohttp.ClientSession, url: str, request: Request, clien
                   request.output_tokens, headers.get("x-extproc-reason", ""))
 
 
-async def run(url: str, requests: Sequence[Request], client: Client, *, seed: int = 0,
+async def run(url: str, requests: Iterable[Request], client: Client, *, seed: int = 0,
               drain_timeout: float = 120.0, progress: Progress | None = None,
               connections: int = 0) -> list[Result]:
     """Send ``requests`` to ``url`` on their schedule; return one Result per request.
 
     After the last arrival, requests still running get ``drain_timeout`` seconds
     to finish; those that do not are recorded as client timeouts (status -1).
+    ``requests`` is read as their arrival times come (a trace streams).
     """
     rng = random.Random(seed)
     timeout = aiohttp.ClientTimeout(total=client.timeout)
     connector = aiohttp.TCPConnector(limit=connections, force_close=False)
-    results: list[Result | None] = [None] * len(requests)
+    results: dict[int, Result] = {}
+    sent: list[Request] = []
     done = 0
 
     async def track(i: int, coro: Any) -> None:
@@ -143,6 +145,7 @@ async def run(url: str, requests: Sequence[Request], client: Client, *, seed: in
         tasks: list[asyncio.Task[None]] = []
         next_report = 1.0
         for i, request in enumerate(requests):
+            sent.append(request)
             delay = origin + request.at - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -163,9 +166,8 @@ async def run(url: str, requests: Sequence[Request], client: Client, *, seed: in
             with contextlib.suppress(asyncio.CancelledError):
                 await task
     return [
-        r if r is not None else Result(req.index, req.cls, req.tenant, req.at, -1, None, None, 1,
-                                       req.output_tokens)
-        for req, r in zip(requests, results, strict=True)
+        results.get(i) or Result(req.index, req.cls, req.tenant, req.at, -1, None, None, 1, req.output_tokens)
+        for i, req in enumerate(sent)
     ]
 
 
@@ -189,48 +191,79 @@ def results_table(summaries: dict[str, Summary]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, help="base URL, e.g. http://127.0.0.1:10000")
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--workload", help="workload spec (YAML), e.g. examples/workloads/chatbot.yaml")
-    source.add_argument("--trace", help="JSONL trace of requests to replay")
+    parser.add_argument("--workload", help="workload spec (YAML), e.g. examples/workloads/chatbot.yaml; "
+                        "with --trace, its SLOs and client, and the classes a public trace's requests become")
+    parser.add_argument("--trace", help="replay a trace instead: Azure 2023, Mooncake or BurstGPT, extproc's "
+                        "JSONL or decision log (see --trace-format)")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals (workload only)")
-    parser.add_argument("--rate", type=float, default=None, help="override the workload's mean rate (req/s)")
+    parser.add_argument("--rate", type=float, default=None,
+                        help="mean requests per second: the workload's rate, or a trace sped up to it")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--no-retries", action="store_true", help="clients never retry")
     parser.add_argument("--drain-timeout", type=float, default=120.0,
                         help="seconds to wait for requests still running after the last arrival")
     parser.add_argument("--json", dest="json_out", help="write per-request results and summaries here")
-    parser.add_argument("--write-trace", help="also write the generated requests as a JSONL trace")
+    parser.add_argument("--write-trace", help="also write the requests sent as a JSONL trace")
+    traces.add_arguments(parser)
 
 
 def command(args: argparse.Namespace) -> int:
-    if args.workload:
-        spec = load_spec(args.workload)
+    if not args.workload and not args.trace:
+        raise SystemExit("extproc sim load: give --workload SPEC or --trace FILE")
+    spec = load_spec(args.workload) if args.workload else WorkloadSpec(arrivals=Arrivals(rate=1.0))
+    requests: Iterable[Request]
+    trace = None
+    if args.trace:
+        try:
+            trace = traces.from_args(args, spec)
+            if args.rate is not None:
+                n, span, _, _ = trace.mix()
+                if span <= 0:
+                    raise traces.TraceError(f"{args.trace}: every request arrives at once: no rate to scale")
+                trace = traces.with_speedup(trace, args.rate / (n * trace.replay.rate_scale / span))
+        except (OSError, ValueError) as exc:
+            print(f"extproc sim load: {exc}", file=sys.stderr)
+            return 2
+        requests = trace
+    else:
         if args.rate is not None:
             spec = spec.model_copy(update={"arrivals": spec.arrivals.model_copy(update={"rate": args.rate})})
         requests = generate(spec, args.duration, args.seed)
-        duration = args.duration
-    else:
-        spec = WorkloadSpec(arrivals=Arrivals(rate=1.0))
-        requests = list(read_trace(args.trace))
-        duration = max((r.at for r in requests), default=0.0)
     client = spec.client.model_copy(update={"kind": "none"}) if args.no_retries else spec.client
-    if args.write_trace:
-        write_trace(requests, args.write_trace)
+    sent: list[Request] = []
 
-    results = asyncio.run(run(args.target, requests, client, seed=args.seed, drain_timeout=args.drain_timeout,
-                              progress=progress_printer("load", len(requests))))
+    def recorded(source: Iterable[Request]) -> Iterator[Request]:
+        for request in source:
+            sent.append(request)
+            yield request
+
+    total = len(requests) if isinstance(requests, list) else None
+    try:
+        results = asyncio.run(run(args.target, recorded(requests), client, seed=args.seed,
+                                  drain_timeout=args.drain_timeout, progress=progress_printer("load", total)))
+    except ValueError as exc:  # a malformed trace line, met while replaying
+        print(f"\nextproc sim load: {exc}", file=sys.stderr)
+        return 2
     if sys.stderr.isatty():
         print(file=sys.stderr)
+    if args.write_trace:
+        write_trace(sent, args.write_trace)
+    duration = args.duration if trace is None else max((r.at for r in sent), default=0.0)
     slos = {c.name: Slo(c.slo.ttft, c.slo.e2e) for c in spec.classes}
     per_class = grouped(results, slos, duration)
     per_length = grouped(results, slos, duration, key=length_class)
     print(results_table({**per_class, **{f"[{k}]": v for k, v in per_length.items()}}))
+    if trace is not None and trace.bad:
+        print(f"{trace.path}: skipped {trace.bad} malformed lines", file=sys.stderr)
     if args.json_out:
-        doc = {
-            "target": args.target, "duration_s": duration, "seed": args.seed, "requests": len(requests),
+        doc: dict[str, Any] = {
+            "target": args.target, "duration_s": duration, "seed": args.seed, "requests": len(sent),
             "classes": {k: v.as_dict() for k, v in per_class.items()},
             "lengths": {k: v.as_dict() for k, v in per_length.items()},
             "results": [dataclasses.asdict(r) for r in results],
         }
+        if trace is not None:
+            doc["trace"] = {"path": str(trace.path), "format": trace.format, "speedup": trace.replay.speedup,
+                            "skipped_bad_lines": trace.bad}
         Path(args.json_out).write_text(json.dumps(doc, indent=1))
     return 0

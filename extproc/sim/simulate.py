@@ -34,7 +34,7 @@ import math
 import random
 import sys
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -47,9 +47,11 @@ from extproc.core.gatekeeper import Gatekeeper
 from extproc.core.intake import Intake
 from extproc.core.saturation import Reading
 from extproc.policy.schema import Policy
+from extproc.sim import traces
 from extproc.sim.engine import Engine, Finished, FirstToken, RequestRejected, capacity_schedule_arg
 from extproc.sim.profiles import Profile, get_profile
 from extproc.sim.report import Result, Slo, Summary, grouped, side_by_side, summarise
+from extproc.sim.traces import Trace
 from extproc.sim.workload import Arrivals, Client, Request, WorkloadSpec, generate, load_spec, retry_delay
 
 
@@ -60,6 +62,9 @@ class Mode(StrEnum):
 
 
 _ARRIVE, _TIMEOUT = 0, 1
+#: Sequence numbers of events pushed while the simulation runs (retries) start here: a request's own
+#: arrival and timeout (numbered in arrival order below it) go first at the same instant.
+_LATER = 1 << 62
 
 
 @dataclass(slots=True)
@@ -103,8 +108,14 @@ def capacity_rps(profile: Profile, time_scale: float, spec: WorkloadSpec, batch:
                       200.0, seed=12345)
     mean_out = sum(r.output_tokens for r in sample) / len(sample)
     mean_prompt = sum(r.prompt_tokens for r in sample) / len(sample)
+    return capacity_for_mix(profile, time_scale, mean_prompt, mean_out, batch)
+
+
+def capacity_for_mix(profile: Profile, time_scale: float, mean_prompt: float, mean_output: float,
+                     batch: int | None = None) -> float:
+    """Requests per second the engine completes with a full batch of requests this long on average."""
     b = batch or profile.max_running
-    per_request = mean_out * profile.step_seconds(b) + mean_prompt * profile.prefill_s_per_token
+    per_request = mean_output * profile.step_seconds(b) + mean_prompt * profile.prefill_s_per_token
     return b / (per_request * time_scale)
 
 
@@ -172,8 +183,13 @@ class Simulator:
         self.seed = seed
         self.capacity_schedule = tuple(capacity_schedule)
 
-    def run(self, requests: Sequence[Request], policy: Policy | None, mode: str = Mode.POLICY) -> Run:
-        """Simulate ``requests`` through ``policy`` (None: no admission control)."""
+    def run(self, requests: Iterable[Request], policy: Policy | None, mode: str = Mode.POLICY) -> Run:
+        """Simulate ``requests`` through ``policy`` (None: no admission control).
+
+        ``requests`` is read as the simulation reaches each arrival (a trace streams; nothing is
+        loaded whole): they must come in arrival order, with distinct indices. A request's state is
+        dropped once it has its result.
+        """
         rng = random.Random(self.seed)
         engine = Engine(self.profile, self.time_scale, keep_latencies=True)
         clock = [0.0]
@@ -188,17 +204,17 @@ class Simulator:
         windows = {name: _window(policy, name) for name in signals} if policy is not None else {}
         changes = list(self.capacity_schedule)
         timeline: list[tuple[float, int, int, int]] = []
-        states = [_State(r) for r in requests]
+        source = iter(requests)
+        upcoming = next(source, None)
+        arrived = 0
+        last_at = -math.inf
+        states: dict[int, _State] = {}
+        results: list[Result] = []
         by_ticket: dict[int, _State] = {}
         served: dict[str, dict[str, float]] = {}
         heap: list[tuple[float, int, int, int]] = []
-        seq = 0
-        for i, r in enumerate(requests):
-            heap.append((r.at, seq, _ARRIVE, i))
-            seq += 1
-            heap.append((r.at + self.client.timeout, seq, _TIMEOUT, i))
-            seq += 1
-        heapq.heapify(heap)
+        # A request's own arrival and timeout order before anything pushed later at the same time.
+        seq = _LATER
         events = 0
         peak = 0
 
@@ -211,6 +227,8 @@ class Simulator:
                 (now - r.at) if ok and now is not None else None,
                 st.attempts, r.output_tokens, reason, st.queue_wait if ok else None,
             )
+            results.append(st.result)
+            states.pop(r.index, None)
 
         def to_engine(st: _State, now: float) -> None:
             try:
@@ -294,7 +312,7 @@ class Simulator:
             edge.charge(config, entries, st.request.prompt_tokens + st.request.output_tokens, now)
 
         while True:
-            t_heap = heap[0][0] if heap else math.inf
+            t_heap = min(heap[0][0] if heap else math.inf, math.inf if upcoming is None else upcoming.at)
             t_engine = engine.next_event_time()
             t_sched = gate.scheduler.next_timer() if gate is not None else None
             now = min(t_heap, math.inf if t_engine is None else t_engine,
@@ -328,11 +346,23 @@ class Simulator:
                 clock[0] = now
                 settle(decisions, now)
             clock[0] = now
+            while upcoming is not None and upcoming.at <= now:
+                r = upcoming
+                if r.at < last_at or r.index in states:
+                    raise ValueError(f"requests must come in arrival order with distinct indices: request "
+                                     f"{r.index} at {r.at:g}s after {last_at:g}s")
+                last_at = r.at
+                states[r.index] = _State(r)
+                heapq.heappush(heap, (r.at, 2 * arrived, _ARRIVE, r.index))
+                heapq.heappush(heap, (r.at + self.client.timeout, 2 * arrived + 1, _TIMEOUT, r.index))
+                arrived += 1
+                upcoming = next(source, None)
             while heap and heap[0][0] <= now:
                 _, _, kind, index = heapq.heappop(heap)
-                st = states[index]
-                if st.result is not None:
+                found = states.get(index)
+                if found is None or found.result is not None:
                     continue
+                st = found
                 events += 1
                 if kind == _TIMEOUT:
                     if st.in_engine:
@@ -354,7 +384,7 @@ class Simulator:
             peak = max(peak, engine.running)
             for event in events_now:
                 events += 1
-                st = states[int(event.req_id)]
+                st = states[int(event.req_id)]  # in the engine: no result yet
                 if isinstance(event, FirstToken):
                     st.first_token = event.time
                 elif isinstance(event, Finished):
@@ -370,9 +400,10 @@ class Simulator:
                         clock[0] = event.time
                         usage(st, event.time)
                         settle(gate.scheduler.release(st.ticket, event.time), event.time)
-        results = [st.result or Result(st.request.index, st.request.cls, st.request.tenant, st.request.at, -1,
-                                       None, None, st.attempts, st.request.output_tokens, "unfinished")
-                   for st in states]
+        results.extend(Result(st.request.index, st.request.cls, st.request.tenant, st.request.at, -1, None,
+                              None, st.attempts, st.request.output_tokens, "unfinished")
+                       for st in states.values())
+        results.sort(key=lambda result: result.index)
         return Run(mode, results, served, events, peak, sorted(signals), timeline)
 
 
@@ -390,54 +421,6 @@ def tenant_shares(run: Run, policy: Policy) -> dict[str, dict[str, tuple[float, 
     return out
 
 
-def read_requests(path: str | Path) -> list[Request]:
-    """A trace: the JSONL of ``extproc sim load --write-trace``, or extproc's own (JSON) log."""
-    with Path(path).open() as source:
-        first = next((line for line in source if line.strip()), "")
-        source.seek(0)
-        try:
-            is_log = "event" in json.loads(first)
-        except (ValueError, TypeError):
-            is_log = False
-        if is_log:
-            return list(requests_from_decision_log(source))
-    from extproc.sim.workload import read_trace
-
-    return list(read_trace(path))
-
-
-def requests_from_decision_log(lines: Iterable[str]) -> Iterator[Request]:
-    """Turn extproc's decision records into a replayable trace, in arrival order.
-
-    Each record carries the request's arrival time, path, the headers the policy
-    trusted, model and token counts, so a new policy can classify and size it
-    again. Lines that are not decision records (start-up, warnings) are skipped.
-    """
-    records = []
-    for line in lines:
-        line = line.strip()
-        if not line.startswith("{"):
-            continue
-        try:
-            doc = json.loads(line)
-        except ValueError:
-            continue
-        if doc.get("event") != "decision" or "arrival" not in doc:
-            continue
-        records.append(doc)
-    records.sort(key=lambda d: d["arrival"])
-    if not records:
-        return
-    origin = records[0]["arrival"]
-    for i, doc in enumerate(records):
-        yield Request(
-            index=i, at=doc["arrival"] - origin, cls=doc.get("lane") or "unknown",
-            tenant=doc.get("tenant") or "default", prompt_tokens=max(1, int(doc.get("prompt_tokens") or 1)),
-            output_tokens=max(1, int(doc.get("output_tokens") or 1)), path=doc.get("path") or "/",
-            headers=dict(doc.get("headers") or {}), stream=True, model=doc.get("model") or "unknown",
-        )
-
-
 # -- command line: extproc simulate [compare A B] ---------------------------------------------------
 
 
@@ -446,7 +429,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="compare two policies on the same requests instead of the baselines")
     parser.add_argument("--policy", help="the policy to simulate (with the two baselines)")
     parser.add_argument("--workload", help="workload spec (YAML); with --trace, only its SLOs are used")
-    parser.add_argument("--trace", help="replay a JSONL trace or extproc's decision log")
+    parser.add_argument("--trace", help="replay a trace: Azure 2023, Mooncake or BurstGPT, extproc's JSONL "
+                        "or decision log (see --trace-format); with --rate or --load, sped up to that rate")
     parser.add_argument("--duration", type=float, default=300.0, help="seconds of arrivals (workload)")
     rate = parser.add_mutually_exclusive_group()
     rate.add_argument("--rate", type=float, help="mean arrivals per second")
@@ -465,19 +449,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "outcome); --json writes {\"verify\": {...}}")
     parser.add_argument("--json", dest="json_out", help="write the summaries here")
     parser.add_argument("--plot", help="write a PNG here")
+    traces.add_arguments(parser)
 
 
-def _requests(args: argparse.Namespace, profile: Profile) -> tuple[list[Request], float, WorkloadSpec]:
+def _requests(args: argparse.Namespace, profile: Profile
+              ) -> tuple[Iterable[Request], float | None, WorkloadSpec, Trace | None]:
+    """The requests to simulate, their span in seconds (None: known once a run has read them), the
+    workload (its SLOs and client; with a public trace, the classes its records become)."""
     spec = load_spec(args.workload) if args.workload else WorkloadSpec(arrivals=Arrivals(rate=1.0))
     if args.trace:
-        requests = read_requests(args.trace)
-        return requests, max((r.at for r in requests), default=0.0), spec
+        trace = traces.from_args(args, spec)
+        if args.rate or args.load:
+            n, span, prompt, output = trace.mix()
+            if span <= 0:
+                raise traces.TraceError(f"{args.trace}: every request arrives at once: no rate to scale")
+            target = args.rate or args.load * capacity_for_mix(profile, args.time_scale, prompt, output)
+            speedup = target / (n * trace.replay.rate_scale / span)
+            print(f"{args.trace}: {n} requests over {span:.0f}s (mean prompt {prompt:.0f}, output "
+                  f"{output:.0f} tokens): --speedup {speedup:.3g} for {target:.2f} requests/s",
+                  file=sys.stderr)
+            trace = traces.with_speedup(trace, speedup)
+        return trace, None, spec, trace
     if not args.workload:
         raise SystemExit("extproc simulate: give --workload SPEC or --trace FILE")
     rate = args.rate or (capacity_rps(profile, args.time_scale, spec) * args.load if args.load else None)
     if rate is not None:
         spec = spec.model_copy(update={"arrivals": spec.arrivals.model_copy(update={"rate": rate})})
-    return generate(spec, args.duration, args.seed), args.duration, spec
+    return generate(spec, args.duration, args.seed), args.duration, spec, None
 
 
 def command(args: argparse.Namespace) -> int:
@@ -501,7 +499,7 @@ def command(args: argparse.Namespace) -> int:
         print(exc, file=sys.stderr)
         return 2
     try:
-        requests, duration, spec = _requests(args, profile)
+        requests, duration, spec, trace = _requests(args, profile)
     except (OSError, ValueError) as exc:
         print(f"extproc simulate: {exc}", file=sys.stderr)
         return 2
@@ -509,15 +507,29 @@ def command(args: argparse.Namespace) -> int:
                           capacity_schedule=args.capacity_schedule)
     default_slo = Slo(ttft=2.0, e2e=120.0)
     slos = {c.name: Slo(c.slo.ttft, c.slo.e2e) for c in spec.classes}
-    for r in requests:
-        slos.setdefault(r.cls, default_slo)
     columns: dict[str, tuple[dict[str, Summary], Summary]] = {}
     doc: dict[str, Any] = {"profile": profile.name, "time_scale": args.time_scale, "seed": args.seed,
-                           "requests": len(requests), "duration_s": duration, "runs": {}}
+                           "requests": 0, "duration_s": duration, "runs": {}}
+    if trace is not None:
+        doc["trace"] = {"path": str(trace.path), "format": trace.format, "speedup": trace.replay.speedup,
+                        "rate_scale": trace.replay.rate_scale, "window": list(trace.replay.window)}
     started = time.perf_counter()
     for name, policy_or_none in policies.items():
         t0 = time.perf_counter()
-        run = simulator.run(requests, policy_or_none, name)
+        try:
+            run = simulator.run(requests, policy_or_none, name)
+        except (OSError, ValueError) as exc:
+            print(f"extproc simulate: {exc}", file=sys.stderr)
+            return 2
+        if not run.results:
+            print("extproc simulate: no requests to simulate", file=sys.stderr)
+            return 2
+        doc["requests"] = len(run.results)
+        if duration is None:  # a trace: its span as played
+            duration = max(max(r.at for r in run.results), 1e-9)
+            doc["duration_s"] = round(duration, 3)
+        for r in run.results:
+            slos.setdefault(r.cls, default_slo)
         per_lane = grouped(run.results, slos, duration)
         overall = summarise(run.results, slos, duration)
         columns[name] = (per_lane, overall)
@@ -526,8 +538,11 @@ def command(args: argparse.Namespace) -> int:
             "overall": overall.as_dict(), "lanes": {k: v.as_dict() for k, v in per_lane.items()},
             "tenant_shares": shares, "simulated_s": round(time.perf_counter() - t0, 2),
         }
-    print(f"{len(requests)} requests over {duration:.0f}s on {profile.name} (time scale {args.time_scale}), "
-          f"simulated in {time.perf_counter() - started:.1f}s")
+    if trace is not None and trace.bad:
+        print(f"{trace.path}: skipped {trace.bad} malformed lines", file=sys.stderr)
+        doc["trace"]["skipped_bad_lines"] = trace.bad
+    print(f"{doc['requests']} requests over {duration:.0f}s on {profile.name} "
+          f"(time scale {args.time_scale}), simulated in {time.perf_counter() - started:.1f}s")
     print(side_by_side(columns))
     for name, run_doc in doc["runs"].items():
         for lane, shares in run_doc["tenant_shares"].items():

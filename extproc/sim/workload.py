@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -199,15 +199,24 @@ def generate(spec: WorkloadSpec, duration: float, seed: int) -> list[Request]:
         cls = classes[_pick(shares, rng)]
         tenant = _pick(cls.tenants, rng)
         prompt, output = _lengths(cls.lengths or spec.lengths, rng)
-        headers = dict(cls.headers)
-        key = cls.keys.get(tenant)
-        gateway: dict[str, str] = {}
-        if key is not None:
-            gateway[cls.tenant_header] = tenant
-        elif len(cls.tenants) > 1 or "default" not in cls.tenants:
-            headers[cls.tenant_header] = tenant
-        out.append(Request(len(out), t, cls.name, tenant, prompt, output, cls.path, headers, cls.stream,
-                           spec.model, key, gateway))
+        out.append(make_request(spec, cls, len(out), t, prompt, output, rng, tenant=tenant))
+
+
+def make_request(spec: WorkloadSpec, cls: TrafficClass, index: int, at: float, prompt_tokens: int,
+                 output_tokens: int, rng: random.Random, tenant: str | None = None) -> Request:
+    """A request of ``cls`` (its path, headers, stream flag; its tenant's API key, or the tenant
+    header it sends itself); ``tenant`` None: picked by the class's weights."""
+    if tenant is None:
+        tenant = _pick(cls.tenants, rng)
+    headers = dict(cls.headers)
+    key = cls.keys.get(tenant)
+    gateway: dict[str, str] = {}
+    if key is not None:
+        gateway[cls.tenant_header] = tenant
+    elif len(cls.tenants) > 1 or "default" not in cls.tenants or tenant != "default":
+        headers[cls.tenant_header] = tenant
+    return Request(index, at, cls.name, tenant, prompt_tokens, output_tokens, cls.path, headers, cls.stream,
+                   spec.model, key, gateway)
 
 
 def retry_delay(client: Client, attempt: int, status: int | None, headers: dict[str, str],
@@ -244,15 +253,3 @@ def write_trace(requests: Iterable[Request], path: str | Path) -> None:
     with Path(path).open("w") as out:
         for request in requests:
             out.write(json.dumps(asdict(request), separators=(",", ":")) + "\n")
-
-
-def read_trace(path: str | Path) -> Iterator[Request]:
-    with Path(path).open() as source:
-        for number, line in enumerate(source, 1):
-            if not line.strip():
-                continue
-            try:
-                doc = json.loads(line)
-                yield Request(**doc)
-            except (ValueError, TypeError) as exc:
-                raise ValueError(f"{path}:{number}: not a trace record: {exc}") from None

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from extproc.sim.traces import Trace, TraceError
 from extproc.sim.workload import (
     Arrivals,
     Burst,
@@ -17,7 +18,6 @@ from extproc.sim.workload import (
     TrafficClass,
     WorkloadSpec,
     generate,
-    read_trace,
     retry_delay,
     write_trace,
 )
@@ -99,14 +99,16 @@ def test_same_seed_same_workload_and_trace_round_trip(tmp_path: Path) -> None:
     assert a != generate(spec(process="gamma", cv=2), duration=50, seed=8)
     path = tmp_path / "trace.jsonl"
     write_trace(a, path)
-    assert list(read_trace(path)) == a
+    assert list(Trace(path)) == a  # detected as extproc's JSONL
 
 
 def test_bad_trace_line_names_file_and_line(tmp_path: Path) -> None:
     path = tmp_path / "trace.jsonl"
     path.write_text('{"index": 0}\nnot json\n')
-    with pytest.raises(ValueError, match=r"trace.jsonl:1: not a trace record"):
-        list(read_trace(path))
+    with pytest.raises(TraceError, match=r"trace.jsonl:1: not an extproc trace record"):
+        list(Trace(path, "jsonl"))
+    with pytest.raises(TraceError, match=r"trace.jsonl:1: a JSON record with keys \['index'\]"):
+        Trace(path)
 
 
 def test_retry_delay_mimics_the_openai_sdk() -> None:

@@ -15,7 +15,8 @@ from extproc.core import admission
 from extproc.policy import Policy, load_policy
 from extproc.sim import simulate
 from extproc.sim.profiles import LLAMA_70B_2XH100, Profile
-from extproc.sim.simulate import Simulator, capacity_rps, fifo_policy, requests_from_decision_log
+from extproc.sim.simulate import Simulator, capacity_rps, fifo_policy
+from extproc.sim.traces import Trace
 from extproc.sim.workload import Arrivals, Client, Lengths, TrafficClass, WorkloadSpec, generate, load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -146,7 +147,7 @@ def test_tenant_shares_follow_weights_when_contended() -> None:
     assert shares["big"][1] == pytest.approx(0.75)
 
 
-def test_decision_log_becomes_a_trace() -> None:
+def test_decision_log_becomes_a_trace(tmp_path: Path) -> None:
     lines = [
         '{"event": "serving", "grpc": "127.0.0.1:50051"}',
         json.dumps(
@@ -177,7 +178,10 @@ def test_decision_log_becomes_a_trace() -> None:
             }
         ),
     ]
-    trace = list(requests_from_decision_log(lines))
+    log = tmp_path / "extproc.log"
+    log.write_text("\n".join(lines) + "\n")
+    assert Trace(log).format == "decision-log"
+    trace = list(Trace(log))
     assert [r.at for r in trace] == [0.0, 0.5]
     assert [r.cls for r in trace] == ["interactive", "batch"]
     assert trace[1].headers == {"x-tenant-id": "acme"}
