@@ -58,6 +58,10 @@ SEED = 1
 PROFILES = [("llama-70b-2xh100", 0.1, "chatbot"), ("llama-8b-h100", 1.0, "chatbot"),
             ("llama-8b-l4", 1.0, "chatbot"), ("llama-70b-2xh100", 0.1, "long-prompt")]
 SWEEP = [8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512]
+#: Each simulated profile runs at least this long and until this many requests have arrived (up to
+#: MAX_SIM_S): a slow engine's few requests make a noisy goodput, and the best of a noisy sweep is
+#: biased upwards.
+MIN_REQUESTS, MAX_SIM_S = 15_000, 3_600.0
 
 
 def workload(variant: str, profile: str, time_scale: float, duration: float
@@ -84,22 +88,29 @@ def static(policy: Policy, n: int) -> Policy:
     return sized.model_copy(update={"capacity": sized.capacity.model_copy(update={"auto": None})})
 
 
-def sim_profile(policy: Policy, name: str, time_scale: float, variant: str, duration: float
+def sim_duration(name: str, time_scale: float, variant: str, least: float, requests: int) -> float:
+    spec, _ = workload(variant, name, time_scale, 1.0)
+    return min(MAX_SIM_S, max(least, requests / spec.arrivals.rate))
+
+
+def sim_profile(policy: Policy, name: str, time_scale: float, variant: str, least: float, requests: int
                 ) -> dict[str, Any]:
-    spec, requests = workload(variant, name, time_scale, duration)
+    duration = sim_duration(name, time_scale, variant, least, requests)
+    spec, arrivals = workload(variant, name, time_scale, duration)
     profile = get_profile(name)
     sim = Simulator(profile, time_scale=time_scale, client=spec.client, seed=SEED)
     sweep = {}
     for n in SWEEP:
         if n > 2 * profile.max_running:
             break
-        sweep[n] = goodput(sim.run(requests, static(policy, n)).results, spec, duration)
-    auto_run = sim.run(requests, policy)
+        sweep[n] = goodput(sim.run(arrivals, static(policy, n)).results, spec, duration)
+    auto_run = sim.run(arrivals, policy)
     auto = goodput(auto_run.results, spec, duration)
     best = max(sweep, key=lambda n: sweep[n])
     limits = [limit for _, limit, _, _ in auto_run.timeline]
     return {"name": name if variant == "chatbot" else f"{name}/{variant}", "mode": "sim",
-            "time_scale": time_scale, "rate": round(spec.arrivals.rate, 2), "requests": len(requests),
+            "time_scale": time_scale, "rate": round(spec.arrivals.rate, 2), "requests": len(arrivals),
+            "duration_s": round(duration, 1),
             "best_static": best, "best_static_goodput": round(sweep[best], 3), "auto_goodput": round(auto, 3),
             "ratio": round(auto / sweep[best], 3) if sweep[best] else None,
             "sweep": {str(n): round(g, 3) for n, g in sweep.items()},
@@ -126,23 +137,49 @@ def p99(values: list[float]) -> float | None:
     return round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 3)
 
 
-def ttft_p99_from(results: list[Result], since: float) -> float | None:
+def ttft_p99_from(results: list[Result], since: float, first_attempt: bool = False) -> float | None:
     # A request that got no first token (rejected in the end, timed out) is not in the percentile;
-    # goodput counts it as a miss.
-    return p99([r.ttft for r in results if r.cls == "interactive" and r.at >= since and r.ttft is not None])
+    # goodput counts it as a miss. A retried request's TTFT counts from its first attempt, so it
+    # holds the Retry-After it waited (at least retry_after.min); ``first_attempt`` leaves those out.
+    return p99([r.ttft for r in results if r.cls == "interactive" and r.at >= since and r.ttft is not None
+                and (not first_attempt or r.attempts == 1)])
 
 
-def sim_step(policy: Policy, duration: float) -> tuple[dict[str, Any], Run, float]:
+def ttft_detail(results: list[Result], since: float) -> dict[str, Any]:
+    """The step's TTFT beside what explains it: first attempts alone, and how many were retried."""
+    inter = [r for r in results if r.cls == "interactive" and r.at >= since]
+    return {"interactive_ttft_p99_during_s": ttft_p99_from(results, since),
+            "interactive_ttft_p99_first_attempt_s": ttft_p99_from(results, since, first_attempt=True),
+            "interactive_retried_share": round(sum(r.attempts > 1 for r in inter) / len(inter), 3)
+            if inter else None}
+
+
+def sim_step(policy: Policy, duration: float, best: int) -> tuple[dict[str, Any], Run, float]:
+    """The step in the simulator; beside auto, the best static limit for the full engine (``best``)
+    through the same step: what a hand-set number does when the engine loses half its capacity."""
     third = duration / 3
     spec, requests = workload("chatbot", "llama-70b-2xh100", 0.1, duration)
     sim = Simulator(get_profile("llama-70b-2xh100"), time_scale=0.1, client=spec.client, seed=SEED,
                     capacity_schedule=((0.0, 1.0), (third, 0.5), (2 * third, 1.0)))
     run = sim.run(requests, policy)
+    fixed = sim.run(requests, static(policy, best))
     timeline = [(t, limit) for t, limit, _, _ in run.timeline]
     return {"settle_s_down": settle(timeline, third, 2 * third),
             "settle_s_up": settle(timeline, 2 * third, duration),
-            "interactive_ttft_p99_during_s": ttft_p99_from(run.results, third),
+            **ttft_detail(run.results, third),
+            "limit_end_of_phase": [limit_at(timeline, third), limit_at(timeline, 2 * third),
+                                   limit_at(timeline, duration)],
+            "goodput_during": round(goodput([r for r in run.results if r.at >= third], spec, 2 * third), 3),
+            "static": {"max_inflight": best, **ttft_detail(fixed.results, third),
+                       "goodput_during": round(goodput([r for r in fixed.results if r.at >= third], spec,
+                                                       2 * third), 3)},
             "schedule": f"0:1,{third:g}:0.5,{2 * third:g}:1", "duration_s": duration}, run, third
+
+
+def limit_at(timeline: list[tuple[float, int]], t: float) -> int | None:
+    """The limit in force just before ``t``."""
+    before = [limit for at, limit in timeline if at < t]
+    return before[-1] if before else None
 
 
 # -- live ---------------------------------------------------------------------------------------
@@ -179,19 +216,12 @@ def live_run(policy_file: Path, profile: str, time_scale: float, requests: list[
              spec: WorkloadSpec, workdir: Path, drain: float, schedule: str | None = None
              ) -> tuple[list[Result], list[tuple[float, int]]]:
     with localstack.stack(workdir) as s:
-        workdir.mkdir(parents=True, exist_ok=True)
-        backend = localstack.free_port()
-        s.start("backend", [sys.executable, "-m", "extproc", "sim", "backend", "--profile", profile,
-                            "--time-scale", str(time_scale), "--listen", f"127.0.0.1:{backend}",
-                            "--stream-interval", "0.1", "--log-level", "warning", "--seed", str(SEED),
-                            *(["--capacity-schedule", schedule] if schedule else [])])
-        localstack.wait_http(f"http://127.0.0.1:{backend}/health", proc=s.processes[-1].popen)
-        grpc, http, admin = localstack.free_port(), localstack.free_port(), localstack.free_port()
-        s.extproc(s.policy_for(policy_file, backend), grpc, http, "--log-level", "warning",
-                  "--seed", str(SEED), admin=admin)
-        listen, envoy_admin = localstack.free_port(), localstack.free_port()
-        s.envoy(localstack.envoy_config(listen, envoy_admin, backend, grpc))
-        return asyncio.run(_drive(f"http://127.0.0.1:{listen}", requests, spec, admin, drain))
+        quiet = ["--log-level", "warning", "--seed", str(SEED)]
+        gateway = s.gateway(policy_file, profile, time_scale, extproc_args=quiet,
+                            backend_args=["--stream-interval", "0.1", *quiet,
+                                          *(["--capacity-schedule", schedule] if schedule else [])])
+        assert gateway.admin is not None
+        return asyncio.run(_drive(gateway.url, requests, spec, gateway.admin, drain))
 
 
 def write_static(policy: Policy, n: int, path: Path) -> Path:
@@ -206,7 +236,10 @@ def live(policy: Policy, sims: list[dict[str, Any]], duration: float, drain: flo
     out = []
     for name, time_scale in (("llama-70b-2xh100", 0.1), ("llama-8b-h100", 1.0)):
         best = next(p["best_static"] for p in sims if p["name"] == name)
-        spec, requests = workload("chatbot", name, time_scale, duration)
+        # An 8B answer takes seconds of wall-clock time at x1 (ten times the 70B's at x0.1): give it
+        # twice the arrivals, or the first seconds' slow start weigh as much as the rest.
+        seconds = duration * (2 if time_scale >= 1 else 1)
+        spec, requests = workload("chatbot", name, time_scale, seconds)
         static_file = write_static(policy, best, workdir / f"static-{name}.yaml")
         print(f"live {name}: static {best}", file=sys.stderr)
         static_results, _ = live_run(static_file, name, time_scale, requests, spec,
@@ -214,8 +247,8 @@ def live(policy: Policy, sims: list[dict[str, Any]], duration: float, drain: flo
         print(f"live {name}: auto", file=sys.stderr)
         auto_results, limits = live_run(AUTO, name, time_scale, requests, spec, workdir / f"{name}-auto",
                                         drain)
-        g_static, g_auto = goodput(static_results, spec, duration), goodput(auto_results, spec, duration)
-        out.append({"name": name, "mode": "live", "time_scale": time_scale,
+        g_static, g_auto = goodput(static_results, spec, seconds), goodput(auto_results, spec, seconds)
+        out.append({"name": name, "mode": "live", "time_scale": time_scale, "duration_s": seconds,
                     "rate": round(spec.arrivals.rate, 2), "requests": len(requests), "best_static": best,
                     "best_static_goodput": round(g_static, 3), "auto_goodput": round(g_auto, 3),
                     "ratio": round(g_auto / g_static, 3) if g_static else None,
@@ -233,11 +266,16 @@ def live_step(policy_file: Path, duration: float, drain: float, workdir: Path
                                drain, schedule)
     return {"settle_s_down": settle(limits, third, 2 * third),
             "settle_s_up": settle(limits, 2 * third, duration),
-            "interactive_ttft_p99_during_s": ttft_p99_from(results, third), "schedule": schedule,
+            **ttft_detail(results, third),
+            "limit_end_of_phase": [limit_at(limits, third), limit_at(limits, 2 * third),
+                                   limit_at(limits, duration)],
+            "schedule": schedule,
             "duration_s": duration}, limits
 
 
-def plot(run: Run, third: float, live_limits: list[tuple[float, int]] | None, path: Path) -> bool:
+def plot(run: Run, third: float, live: tuple[list[tuple[float, int]], float] | None, path: Path) -> bool:
+    """Limit, engine queue and interactive TTFT through the simulator's step; the live step's limit
+    below it on its own (wall-clock) time axis."""
     try:
         import matplotlib
 
@@ -245,12 +283,10 @@ def plot(run: Run, third: float, live_limits: list[tuple[float, int]] | None, pa
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, axes = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
+    rows = 4 if live else 3
+    fig, axes = plt.subplots(rows, 1, figsize=(9, 2.6 * rows))
     t = [x[0] for x in run.timeline]
-    axes[0].plot(t, [x[1] for x in run.timeline], label="auto limit (simulator)")
-    if live_limits:
-        axes[0].plot([x[0] for x in live_limits], [x[1] for x in live_limits], label="auto limit (live)",
-                     alpha=0.7)
+    axes[0].plot(t, [x[1] for x in run.timeline], label="auto limit")
     axes[0].set_ylabel("in-flight limit")
     axes[1].plot(t, [x[2] for x in run.timeline], label="engine waiting")
     axes[1].plot(t, [x[3] for x in run.timeline], label="engine running")
@@ -258,11 +294,22 @@ def plot(run: Run, third: float, live_limits: list[tuple[float, int]] | None, pa
     inter = sorted((r.at, r.ttft) for r in run.results if r.cls == "interactive" and r.ttft is not None)
     axes[2].scatter([a for a, _ in inter], [b for _, b in inter], s=2)
     axes[2].set_ylabel("interactive TTFT (s)")
-    axes[2].set_xlabel("seconds")
-    for ax in axes:
+    axes[2].set_xlabel("simulated seconds")
+    for ax in axes[:3]:
         ax.axvspan(third, 2 * third, color="grey", alpha=0.15)
-        ax.legend(loc="upper right") if ax is not axes[2] else None
-    fig.suptitle("capacity: auto through a full -> half -> full engine (llama-70b-2xh100 x0.1)")
+        ax.set_xlim(0, 3 * third)
+    axes[0].legend(loc="upper right")
+    axes[1].legend(loc="upper right")
+    if live:
+        limits, live_third = live
+        axes[3].plot([x[0] for x in limits], [x[1] for x in limits], color="tab:orange",
+                     label="auto limit, live")
+        axes[3].axvspan(live_third, 2 * live_third, color="grey", alpha=0.15)
+        axes[3].set_xlim(0, 3 * live_third)
+        axes[3].set_ylabel("in-flight limit")
+        axes[3].set_xlabel("wall-clock seconds (Envoy + extproc + sim backend)")
+        axes[3].legend(loc="upper right")
+    fig.suptitle("capacity: auto through a full -> half -> full engine (llama-70b-2xh100 x0.1; grey: half)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     return True
@@ -281,20 +328,27 @@ def main() -> int:
     sims = []
     for name, time_scale, variant in PROFILES:
         print(f"sim {name} {variant}", file=sys.stderr)
-        sims.append(sim_profile(policy, name, time_scale, variant, sim_duration))
-    step, step_run, third = sim_step(policy, sim_duration)
+        sims.append(sim_profile(policy, name, time_scale, variant, sim_duration,
+                                2_000 if args.quick else MIN_REQUESTS))
+    best = next(p["best_static"] for p in sims if p["name"] == "llama-70b-2xh100")
+    step, step_run, third = sim_step(policy, sim_duration, best)
     doc: dict[str, Any] = {
         "benchmark": "adaptive", "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "parameters": {"load": LOAD, "seed": SEED, "policy": "examples/auto-policy.yaml",
-                       "workload": "examples/workloads/chatbot.yaml", "sim_duration_s": sim_duration},
+                       "workload": "examples/workloads/chatbot.yaml", "sim_duration_s": sim_duration,
+                       "sim_min_requests": MIN_REQUESTS},
         "profiles": sims, "step": step,
     }
-    live_limits = None
+    live_limits: tuple[list[tuple[float, int]], float] | None = None
     if not args.no_live:
         with tempfile.TemporaryDirectory(prefix="adaptive-") as tmp:
             live_duration, drain = (30.0, 15.0) if args.quick else (60.0, 25.0)
             doc["profiles"] = sims + live(policy, sims, live_duration, drain, Path(tmp))
-            doc["step_live"], live_limits = live_step(AUTO, 45.0 if args.quick else 90.0, drain, Path(tmp))
+            live_duration_step = 45.0 if args.quick else 90.0
+            doc["step_live"], limits = live_step(AUTO, live_duration_step, drain, Path(tmp))
+            doc["step_live"]["limit_timeline"] = [[round(t, 2), n] for t, n in limits]
+            live_limits = (limits, live_duration_step / 3)
+    step["limit_timeline"] = [[round(t, 2), n] for t, n, _, _ in step_run.timeline]
     doc["elapsed_s"] = round(time.perf_counter() - started, 1)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -303,9 +357,9 @@ def main() -> int:
     for p in doc["profiles"]:
         print(f"{p['mode']:4} {p['name']:32} best static {p['best_static']:4} "
               f"goodput {p['best_static_goodput']:7.2f}  auto {p['auto_goodput']:7.2f}  ratio {p['ratio']}")
-    print("step", json.dumps(doc["step"]))
+    print("step", json.dumps({k: v for k, v in doc["step"].items() if k != "limit_timeline"}))
     if "step_live" in doc:
-        print("step_live", json.dumps(doc["step_live"]))
+        print("step_live", json.dumps({k: v for k, v in doc["step_live"].items() if k != "limit_timeline"}))
     return 0
 
 

@@ -7,12 +7,14 @@ token (TPOT) p95.
 
 * **Fall fast.** An engine queue above ``target.queue`` (seen on two ticks running, or four
   times over at once) means the limit lets more requests in than the engines run at once: the
-  limit drops to what runs now, less the excess (min(limit, in flight) − (waiting − queue)), at
-  most halving in one move. A latency percentile above its target cuts the limit in proportion
-  (target / observed, between ×0.5 and ×0.95). A percentile looks back over its window (the
-  signal's ``window``, or a query's ``[range]``), so after a fall it may cut again only once that
-  window and ``cooldown`` have passed; the queue always may (it is a gauge). Each fall remembers
-  where the engines had too many: what ran then (not a limit far above it).
+  limit drops to what the engines run (in flight − (waiting − queue)), at most halving in one
+  move; a limit already there holds while the requests admitted before it drain. A latency
+  percentile above its target cuts the limit in proportion (target / observed, between ×0.5 and
+  ×0.95). A percentile looks back over its window (the signal's ``window``, or a query's
+  ``[range]``), so after a fall it may cut again only once that window and ``cooldown`` have
+  passed (for TTFT, the window plus the TTFT seen: a first token seen now is of a request
+  admitted that long ago); the queue always may (it is a gauge). Each fall remembers where the
+  engines had too many: what ran then (not a limit far above it).
 * **Grow carefully.** Only while every fresh signal has headroom (no engine queue beyond the
   target, latencies below 90 % of their targets) *and* the limit is what holds traffic back
   (in flight ≥ 90 % of the limit, or ≥ 75 % while requests wait in extproc's queues for want of a
@@ -169,26 +171,32 @@ class AutoLimit:
         queueing = waiting is not None and waiting > target.queue
         seen_before, self._queueing = self._queueing, queueing
         if waiting is not None and queueing and (seen_before or waiting > _CLEAR_QUEUE * (target.queue + 1)):
+            # What the engines run is what is in flight less what waits in their queues. A limit
+            # already at or below that has taken the excess off: requests admitted before it still
+            # wait there until running ones finish, and cutting again for them would overshoot.
             excess = waiting - target.queue
-            running = min(self._value, float(inflight))
-            self._value = max(float(auto.min), running - excess, self._value * (1 - _MAX_CUT))
+            fall_to = max(float(auto.min), float(inflight) - excess, self._value * (1 - _MAX_CUT))
+            if fall_to >= self._value:
+                return None
+            self._value = fall_to
             self._cut(now, min(was, max(float(inflight), self._value)))
             return self._moved(before, now, "engine_queue",
                                f"the engines queue {waiting:g} requests (target {target.queue})")
         over: list[tuple[float, Reason, str]] = []
-        over_roles: list[Role] = []
+        wait = auto.cooldown
         checks: tuple[tuple[Role, Reason], ...] = (("ttft_p95", "ttft"), ("tpot_p95", "tpot"))
         for role, reason in checks:
             value, goal = fresh.get(role), getattr(target, role)
             if value is not None and goal is not None and value > goal:
                 over.append((goal / value, reason, f"{role} {_ms(value)} > target {_ms(goal)}"))
-                over_roles.append(role)
+                # A percentile still holds what it saw before the last fall until its window has
+                # passed; a TTFT is observed when the first token comes, that long after its request
+                # was admitted: one seen now may be of a request let in before the fall.
+                wait = max(wait, self._lookback.get(role, 0.0) + (value if role == "ttft_p95" else 0.0))
         if over:
             ratio, reason, text = min(over)
             at_min = self._value <= auto.min
             self._unreachable = f"{text} at min {auto.min}" if at_min else None
-            # A percentile still holds what it saw before the last fall until its window has passed.
-            wait = max([auto.cooldown, *(self._lookback.get(role, 0.0) for role in over_roles)])
             if at_min or now - self._last_cut < wait:
                 return None
             self._value = max(float(auto.min), self._value * min(max(ratio, _CUT_FLOOR), _CUT_CEILING))

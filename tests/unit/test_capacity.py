@@ -110,6 +110,21 @@ def test_an_engine_queue_takes_the_excess_off_at_once() -> None:
     assert a.limit == 4
 
 
+def test_a_limit_that_already_left_the_queue_out_holds_while_admitted_requests_drain() -> None:
+    # The engines lose half their slots: 128 in flight, 64 of them now queued at the engines.
+    a = auto_of(policy(start=128))
+    assert a.update(readings(0, waiting=64), inflight=128, held=True, now=0) is not None
+    assert a.limit == 64
+    # The queue stays while running requests finish; what is in flight falls towards the limit.
+    for t, inflight, waiting in ((2, 126, 62), (4, 120, 56), (6, 100, 36), (8, 80, 16)):
+        assert a.update(readings(t, waiting=waiting), inflight=inflight, held=True, now=t) is None
+        assert a.limit == 64
+    # A queue that outlasts that is real: 70 in flight, 10 waiting, so the engines run 60.
+    move = a.update(readings(10, waiting=10), inflight=70, held=True, now=10)
+    assert move is not None
+    assert move.limit == 60
+
+
 def test_a_latency_over_target_cuts_in_proportion_then_waits_for_the_window() -> None:
     a = auto_of(policy(start=100, cooldown="6s"))
     move = a.update(readings(0, tpot=0.0625), inflight=100, held=False, now=0)  # 50 / 62.5 = 0.8
@@ -142,6 +157,24 @@ def test_a_percentile_cuts_again_only_after_its_window_has_passed() -> None:
     move = a.update(readings(10, tpot=0.2), 80, False, 10)
     assert move is not None
     assert move.limit == 40
+
+
+def test_a_slow_first_token_seen_after_a_fall_is_of_a_request_admitted_before_it() -> None:
+    p = policy(start=100, cooldown="2s")
+    signals = p.signals.model_copy(update={"read": {
+        **p.signals.read,
+        "ttft": p.signals.read["ttft"].model_copy(update={"metric": None, "query": "ttft_p95[10s]"}),
+    }})
+    assert p.capacity.auto is not None
+    a = AutoLimit(p.capacity.auto, signals)
+    assert a.update(readings(0, waiting=40), inflight=100, held=True, now=0) is not None
+    assert a.limit == 60  # the engines queue: down to what they run
+    # First tokens of 5 s come in: requests that waited in the engines' queue before the fall.
+    for t in (2, 6, 10, 14):
+        assert a.update(readings(t, ttft=5.0), inflight=60, held=True, now=t) is None
+    move = a.update(readings(16, ttft=5.0), inflight=60, held=True, now=16)  # 10 s window + 5 s TTFT
+    assert move is not None
+    assert move.reason == "ttft"
 
 
 def test_growth_creeps_past_the_point_of_the_last_fall_then_probes_on() -> None:
