@@ -92,6 +92,19 @@ class Process:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
 
+@dataclass(frozen=True)
+class Gateway:
+    """The demo's stack as :meth:`Stack.gateway` started it."""
+
+    url: str
+    """Envoy's listener: where clients send requests."""
+    backend: int
+    """The simulated backend's port."""
+    extproc: Process | None
+    admin: int | None
+    """extproc's HTTP admin port (None without extproc)."""
+
+
 @dataclass
 class Stack:
     """Processes started together and stopped together (last started, first stopped)."""
@@ -129,6 +142,26 @@ class Stack:
         path = self.workdir / name
         path.write_text(text.replace("//127.0.0.1:8000/", f"//127.0.0.1:{backend}/"), encoding="utf-8")
         return path
+
+    def gateway(self, policy: Path | str | None, profile: str, time_scale: float, *,
+                backend_args: Sequence[str] = (), extproc_args: Sequence[str] = ()) -> Gateway:
+        """The demo's stack: the simulated backend (``profile`` at ``time_scale``), ``extproc serve``
+        with ``policy`` (its scrape targets moved to the backend; None: no extproc) and Envoy with
+        the shipped config in front, each on a free loopback port."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        backend = free_port()
+        self.start("backend", [sys.executable, "-m", "extproc", "sim", "backend", "--profile", profile,
+                               "--time-scale", str(time_scale), "--listen", f"127.0.0.1:{backend}",
+                               *backend_args])
+        wait_http(f"http://127.0.0.1:{backend}/health", proc=self.processes[-1].popen)
+        grpc = admin = None
+        extproc = None
+        if policy is not None:
+            grpc, http, admin = free_port(), free_port(), free_port()
+            extproc = self.extproc(self.policy_for(policy, backend), grpc, http, *extproc_args, admin=admin)
+        listen, envoy_admin = free_port(), free_port()
+        self.envoy(envoy_config(listen, envoy_admin, backend, grpc))
+        return Gateway(f"http://127.0.0.1:{listen}", backend, extproc, admin)
 
     def envoy(self, config: dict[str, Any], name: str = "envoy", concurrency: int = 1) -> Process:
         path = self.workdir / f"{name}.yaml"

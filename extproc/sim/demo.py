@@ -42,24 +42,14 @@ class RunResult:
 def run_once(name: str, args: argparse.Namespace, requests: list[Request], spec: WorkloadSpec,
              workdir: Path, with_extproc: bool) -> RunResult:
     with localstack.stack(workdir / name) as s:
-        (workdir / name).mkdir(parents=True, exist_ok=True)
-        backend = localstack.free_port()
         schedule = ["--capacity-schedule", args.capacity_schedule] if args.capacity_schedule else []
-        s.start("backend", [sys.executable, "-m", "extproc", "sim", "backend", "--profile", args.profile,
-                            "--time-scale", str(args.time_scale), "--listen", f"127.0.0.1:{backend}",
-                            "--stream-interval", "0.1", "--log-level", "warning", "--seed", str(args.seed),
-                            *schedule])
-        localstack.wait_http(f"http://127.0.0.1:{backend}/health", proc=s.processes[-1].popen)
-        grpc = None
-        if with_extproc:
-            grpc, http = localstack.free_port(), localstack.free_port()
-            # A policy that scrapes the engine (signals, capacity: auto) reads this run's backend.
-            policy = s.policy_for(args.policy, backend)
-            s.extproc(policy, grpc, http, "--log-level", "warning", "--seed", str(args.seed))
-        listen, admin = localstack.free_port(), localstack.free_port()
-        s.envoy(localstack.envoy_config(listen, admin, backend, grpc))
+        # A policy that scrapes the engine (signals, capacity: auto) reads this run's backend.
+        gateway = s.gateway(args.policy if with_extproc else None, args.profile, args.time_scale,
+                            backend_args=["--stream-interval", "0.1", "--log-level", "warning",
+                                          "--seed", str(args.seed), *schedule],
+                            extproc_args=["--log-level", "warning", "--seed", str(args.seed)])
         progress = progress_printer(name, len(requests))
-        results = asyncio.run(run_load(f"http://127.0.0.1:{listen}", requests, spec.client, seed=args.seed,
+        results = asyncio.run(run_load(gateway.url, requests, spec.client, seed=args.seed,
                                        drain_timeout=args.drain, progress=progress))
         if sys.stderr.isatty():
             print(file=sys.stderr)

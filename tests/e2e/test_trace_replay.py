@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from extproc.localstack import ROOT, Process, Stack, envoy_config, free_port, wait_http
+from extproc.localstack import ROOT, Process, Stack
 
 pytestmark = pytest.mark.e2e
 
@@ -30,16 +30,10 @@ AZURE = ROOT / "tests" / "data" / "traces" / "azure-2023-conv-excerpt.csv"
 def demo(tmp_path: Path) -> Iterator[tuple[str, Process, Stack]]:
     stack = Stack(tmp_path)
     try:
-        backend = free_port()
-        stack.start("backend", [sys.executable, "-m", "extproc", "sim", "backend", "--profile",
-                                "llama-70b-2xh100", "--time-scale", "0.1", "--listen", f"127.0.0.1:{backend}",
-                                "--log-level", "warning"])
-        wait_http(f"http://127.0.0.1:{backend}/health", proc=stack.processes[-1].popen)
-        grpc, http = free_port(), free_port()
-        extproc = stack.extproc(POLICY, grpc, http, "--log-level", "info")
-        listen, admin = free_port(), free_port()
-        stack.envoy(envoy_config(listen, admin, backend, grpc))
-        yield f"http://127.0.0.1:{listen}", extproc, stack
+        gateway = stack.gateway(POLICY, "llama-70b-2xh100", 0.1, backend_args=["--log-level", "warning"],
+                                extproc_args=["--log-level", "info"])
+        assert gateway.extproc is not None
+        yield gateway.url, gateway.extproc, stack
     finally:
         stack.stop()
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from extproc.localstack import ROOT, Stack, envoy_config, free_port, wait_http
+from extproc.localstack import ROOT, Stack
 from extproc.sim.load import run as run_load
 from extproc.sim.workload import generate, load_spec
 
@@ -28,20 +28,14 @@ POLICY = ROOT / "examples" / "demo-policy.yaml"
 def test_the_simulator_decides_as_the_live_service_did(tmp_path: Path) -> None:
     stack = Stack(tmp_path)
     try:
-        backend = free_port()
-        stack.start("backend", [sys.executable, "-m", "extproc", "sim", "backend", "--profile",
-                                "llama-70b-2xh100", "--time-scale", "0.1", "--listen", f"127.0.0.1:{backend}",
-                                "--log-level", "warning"])
-        wait_http(f"http://127.0.0.1:{backend}/health", proc=stack.processes[-1].popen)
-        grpc, http = free_port(), free_port()
-        extproc = stack.extproc(POLICY, grpc, http, "--log-level", "info")
-        listen, admin = free_port(), free_port()
-        stack.envoy(envoy_config(listen, admin, backend, grpc))
+        gateway = stack.gateway(POLICY, "llama-70b-2xh100", 0.1, backend_args=["--log-level", "warning"],
+                                extproc_args=["--log-level", "info"])
+        extproc = gateway.extproc
+        assert extproc is not None
         spec = load_spec(ROOT / "examples" / "workloads" / "chatbot.yaml")
         spec = spec.model_copy(update={"arrivals": spec.arrivals.model_copy(update={"rate": 35.0})})
         requests = generate(spec, 30.0, seed=5)
-        results = asyncio.run(run_load(f"http://127.0.0.1:{listen}", requests, spec.client, seed=5,
-                                       drain_timeout=40))
+        results = asyncio.run(run_load(gateway.url, requests, spec.client, seed=5, drain_timeout=40))
         assert sum(1 for r in results if r.status == 200) > 300
     finally:
         stack.stop()  # extproc writes its last records as its streams end
