@@ -25,6 +25,7 @@ import structlog
 
 from extproc.core.admission import Decision, LaneView, State, Ticket
 from extproc.core.decision import Outcome, Reason
+from extproc.core.drain import FleetRate
 from extproc.core.estimate import Job
 from extproc.core.gatekeeper import Gatekeeper
 from extproc.core.recent import ADMIT, REJECT, SHADOW, Recent
@@ -45,6 +46,7 @@ class Controller:
         #: With a shared store the fleet limit (auto) is agreed there; this replica sets it while it leads.
         self.gate.fleet_managed = ledger is not None
         self.fleet_leader = False
+        self._fleet_rate = FleetRate()
         self.metrics = metrics
         #: The current time in seconds: the clock itself, not a method wrapping it (read several
         #: times per request).
@@ -78,7 +80,8 @@ class Controller:
         #: Converts scheduler ranks (this clock) to epoch seconds, comparable across replicas.
         self._epoch_offset = time.time() - clock()
         self.view: GlobalView | None = None
-        metrics.watch(self.lanes, lambda: self.scheduler.draining, lambda: self.view)
+        metrics.watch(self.lanes, lambda: self.scheduler.draining, lambda: self.view,
+                      lambda: self.scheduler.drain_rates(self.now()))
 
     @property
     def policy(self) -> Policy:
@@ -360,6 +363,10 @@ class Controller:
         now = self.now()
         freed, self._freed = self._freed, set()
         self._settle(scheduler.set_others(rest.inflight, rest.queued, now, rest.total))
+        # The fleet's drain per lane, for Retry-After; while the store is unreachable (no counters)
+        # each replica measures its own again.
+        self._fleet_rate.update(view.completed, now)
+        scheduler.set_drain_rates(self._fleet_rate.rates(now) if view.completed else {}, view.replicas)
         if freed or scheduler.blocked:
             # Lanes refused before may try again where a slot freed (any lane's slot may be lent),
             # or once their backoff is over.

@@ -58,10 +58,12 @@ class Children(Generic[_M]):
 
 class _StateCollector(Collector):
     def __init__(self, lanes: Callable[[], Mapping[str, LaneView]], draining: Callable[[], bool],
-                 cluster: Callable[[], GlobalView | None] | None = None) -> None:
+                 cluster: Callable[[], GlobalView | None] | None = None,
+                 drain: Callable[[], Mapping[str, float | None]] | None = None) -> None:
         self._lanes = lanes
         self._draining = draining
         self._cluster = cluster
+        self._drain = drain
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         pending = GaugeMetricFamily(
@@ -90,6 +92,16 @@ class _StateCollector(Collector):
             effective.add_metric([name], view.effective_limit)
             borrowed.add_metric([name], view.borrowed)
         yield from (pending, inflight, limit, effective, borrowed)
+        if self._drain is not None:
+            rate = GaugeMetricFamily(
+                "extproc_lane_drain_rate", "Requests completed per second in the lane (exponentially "
+                "weighted over 10 s; the fleet's with a shared store): what Retry-After is computed "
+                "from. Absent until measured.", labels=["lane"],
+            )
+            for name, value in sorted(self._drain().items()):
+                if value is not None:
+                    rate.add_metric([name], value)
+            yield rate
         yield GaugeMetricFamily(
             "extproc_draining", "1 while this replica is shutting down and admits nothing.",
             value=1.0 if self._draining() else 0.0,
@@ -216,8 +228,9 @@ class Metrics:
         return out
 
     def watch(self, lanes: Callable[[], Mapping[str, LaneView]], draining: Callable[[], bool],
-              cluster: Callable[[], GlobalView | None] | None = None) -> None:
-        self.registry.register(_StateCollector(lanes, draining, cluster))
+              cluster: Callable[[], GlobalView | None] | None = None,
+              drain: Callable[[], Mapping[str, float | None]] | None = None) -> None:
+        self.registry.register(_StateCollector(lanes, draining, cluster, drain))
 
 
 # -- the edge shed (Envoy's rate limit service) ---------------------------------------------------

@@ -87,6 +87,20 @@ class LedgerContract:
         assert await b.acquire("batch", "z", TWO)
         assert await b.acquire("batch", "w", TWO) is Verdict.LANE_FULL
 
+    async def test_completions_are_counted_per_lane_over_every_replica(self, backend: Backend) -> None:
+        a, b = await backend.make(), await backend.make()
+        before = dict((await a.view()).completed)
+        await grant_all(a, "batch", ["x", "y"], TWO)
+        assert await b.acquire("interactive", "z", TWO)
+        await a.release("batch", "x")
+        await a.release("batch", "x")  # a second release of the same lease completes nothing
+        await a.release("batch", "never-acquired")
+        await b.release("interactive", "z")
+        after = (await b.view()).completed
+        assert after.get("batch", 0) - before.get("batch", 0) == 1
+        assert after.get("interactive", 0) - before.get("interactive", 0) == 1
+        assert (await a.view()).completed == after  # one count for the fleet
+
     async def test_acquiring_a_held_lease_again_counts_once(self, backend: Backend) -> None:
         ledger = await backend.make()
         assert await ledger.acquire("batch", "same", TWO)

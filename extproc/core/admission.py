@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from extproc.core.decision import Outcome, Reason
+from extproc.core.drain import Rate, RetryCalendar
 from extproc.core.estimate import Estimator, Job
 from extproc.core.queue import Entry, LaneQueue, rank_of
-from extproc.core.retry import retry_after
+from extproc.core.retry import bounds, retry_after
 from extproc.core.saturation import Effect
 from extproc.policy.schema import Lane, Policy
 
@@ -132,6 +133,12 @@ class Scheduler:
         self._others_total = 0
         self.blocked: set[str] = set()
         self.reclaimed = 0
+        # How fast each lane frees slots: this replica's own completions, and the fleet's (from the
+        # shared store's counters) when a store says.
+        self._completions: dict[str, Rate] = {}
+        self._fleet_rates: dict[str, float] = {}
+        self._replicas = 1
+        self._calendar = RetryCalendar()
         self.reconfigure(policy)
 
     # -- configuration ------------------------------------------------------------
@@ -474,6 +481,10 @@ class Scheduler:
             inflight = self._inflight.get(ticket.lane)
             if inflight is not None and inflight.pop(ticket.id, None) is not None:
                 self._n_inflight -= 1
+                rate = self._completions.get(ticket.lane)
+                if rate is None:
+                    rate = self._completions[ticket.lane] = Rate()
+                rate.add(now)
             if learn and ticket.admitted_at is not None:
                 self.estimator.observe(ticket.job, ticket.occupancy, now - ticket.admitted_at)
         ticket.state = State.DONE
@@ -597,10 +608,59 @@ class Scheduler:
         return Decision(Outcome.REJECTED, ticket, reason, self.retry_after(reason, ticket.lane, now), cause)
 
     def retry_after(self, reason: Reason, lane: str, now: float) -> int:
-        """Retry-After for a rejection: when a request queued now would start (jittered, bounded,
-        never 0); the longest allowed where retrying soon cannot help (a closed or shed lane)."""
-        drain = self.backlog_wait(lane, now) if reason.retry_helps else self.policy.retry_after.max
-        return retry_after(drain, self.policy.retry_after, self._rng)
+        """Retry-After for a rejection (whole seconds, within retry_after's bounds, never 0).
+
+        Where retrying soon cannot help (a closed or shed lane): the longest allowed, jittered.
+        Otherwise from when a request queued now would start (``drain_wait``): once the lane's
+        completion rate is known, the first second from then on that fewer clients were told than
+        the lane completes per second (this replica's part of the fleet's), so retries come back
+        at the pace slots free; before that, the drain itself, jittered.
+        """
+        config = self.policy.retry_after
+        if not reason.retry_helps:
+            return retry_after(config.max, config, self._rng)
+        drain = self.drain_wait(lane, now)
+        rate = self.drain_rate(lane, now)
+        if rate is None or rate <= 0:
+            return retry_after(drain, config, self._rng)
+        low, high = bounds(config)
+        return self._calendar.book(lane, now, max(drain, low), high, rate / self._replicas)
+
+    def set_drain_rates(self, rates: Mapping[str, float], replicas: int = 1) -> None:
+        """The fleet's completions per second per lane (from the shared store; lanes absent are
+        measured here) and how many replicas share them (each books its part of a second)."""
+        self._fleet_rates = dict(rates)
+        self._replicas = max(1, replicas) if rates else 1
+
+    def drain_rate(self, lane: str, now: float) -> float | None:
+        """Completions per second in ``lane``: the fleet's if known, else this replica's once it
+        has watched for a while; None before that."""
+        fleet = self._fleet_rates.get(lane)
+        if fleet is not None:
+            return fleet
+        local = self._completions.get(lane)
+        return local.value(now) if local is not None and local.known(now) else None
+
+    def drain_rates(self, now: float) -> dict[str, float | None]:
+        """Every lane's ``drain_rate``."""
+        return {name: self.drain_rate(name, now) for name in self._lanes}
+
+    def drain_wait(self, lane: str, now: float) -> float:
+        """Seconds until a request joining ``lane``'s queue now would get a slot: the requests
+        ahead of it over every replica (this one's queue and the others' as last seen), plus
+        itself, over the lane's measured completion rate. Until a rate is known, list scheduling
+        on this replica's own predicted service times (``backlog_wait``). 0 with a slot free now."""
+        config = self._lanes.get(lane)
+        if config is None:
+            return 0.0
+        queue = self._queues.get(lane)
+        ahead = (len(queue) if queue is not None else 0) + self._others_queued.get(lane, 0)
+        if ahead == 0 and self._admissible(config):
+            return 0.0
+        rate = self.drain_rate(lane, now)
+        if rate is None or rate <= 0:
+            return self.backlog_wait(lane, now)
+        return (ahead + 1) / rate
 
     def _victim(self, incoming: Lane) -> Ticket | None:
         for lane in reversed(self._order):

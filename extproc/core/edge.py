@@ -41,6 +41,10 @@ NOT_HEADERS = frozenset({"generic_key", "method", "path"})
 UNLIMITED = 2**32 - 1
 
 
+#: Reasons that are a tenant's budget, not a lane's pressure.
+_BUDGETS = frozenset({Reason.TENANT_REQUESTS, Reason.TENANT_TOKENS})
+
+
 @dataclass(frozen=True, slots=True)
 class LanePressure:
     """A lane's load as the edge sees it."""
@@ -78,6 +82,10 @@ class Pressure(Protocol):
         """Estimated seconds until a request queued now, behind the whole queue, would start."""
         ...
 
+    def retry_after(self, lane: str, reason: Reason) -> int:
+        """The Retry-After the scheduler itself would give a request of ``lane`` refused for ``reason``."""
+        ...
+
 
 class SchedulerPressure:
     """``Pressure`` read from a scheduler (the live one, or the simulator's)."""
@@ -102,7 +110,11 @@ class SchedulerPressure:
                             paused=view.paused, shadow=view.shadow, tenants=view.tenants)
 
     def drain_s(self, lane: str) -> float:
-        return self._scheduler.backlog_wait(lane, self._clock())
+        # The same drain as the scheduler's own rejections: the edge and ext_proc answer alike.
+        return self._scheduler.drain_wait(lane, self._clock())
+
+    def retry_after(self, lane: str, reason: Reason) -> int:
+        return self._scheduler.retry_after(reason, lane, self._clock())
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,8 +307,13 @@ class Edge:
         worst = max(shed, key=lambda j: j.status.reset_s)
         reason = worst.reason
         assert reason is not None
-        wait = retry_after(worst.status.reset_s, policy.retry_after, self._rng)
         lane = worst.lane if worst.lane != ANY_LANE else None
+        if lane is not None and reason not in _BUDGETS:
+            # A lane's pressure: the scheduler's own Retry-After (its drain and its calendar of
+            # who was told to come back when), so the edge and ext_proc answer alike.
+            wait = self.pressure.retry_after(lane, reason)
+        else:  # a tenant budget: when its bucket has room again
+            wait = retry_after(worst.status.reset_s, policy.retry_after, self._rng)
         signal = rule = None
         if lane is not None and reason is Reason.SATURATED:
             pressure = self.pressure.lane(lane)

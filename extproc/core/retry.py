@@ -11,14 +11,19 @@ from extproc.policy.schema import RetryAfter
 CEILING_S = 60
 
 
+def bounds(config: RetryAfter) -> tuple[int, int]:
+    """The whole seconds a Retry-After may say: at least 1, at most the policy's max and a minute."""
+    low = max(1, math.ceil(config.min))
+    return low, max(low, min(CEILING_S, math.floor(config.max)))
+
+
 def retry_after(drain_s: float, config: RetryAfter, rng: random.Random) -> int:
     """Whole seconds a rejected client should wait before trying again.
 
     Jitter spreads the retries of clients rejected at the same moment, so they do
     not come back as one synchronised wave.
     """
-    low = max(1, math.ceil(config.min))
-    high = max(low, min(CEILING_S, math.floor(config.max)))
+    low, high = bounds(config)
     base = drain_s if math.isfinite(drain_s) and drain_s > 0 else config.min
     base = min(max(base, low), high)
     jittered = base * rng.uniform(1.0 - config.jitter, 1.0 + config.jitter)

@@ -98,24 +98,37 @@ async def _one(session: aiohttp.ClientSession, url: str, request: Request, clien
     ttft: float | None = None
     e2e: float | None = None
     headers: dict[str, str] = {}
+    retries: list[float] = []
+    told: list[int | None] = []
     while True:
         attempts += 1
+        if attempts > 1:
+            retries.append(time.monotonic() - started)
         try:
             status, ttft, e2e, headers = await _attempt(session, url, request, started, attempts - 1)
         except TimeoutError:
             return Result(request.index, request.cls, request.tenant, request.at, -1, None, None, attempts,
-                          request.output_tokens)
+                          request.output_tokens, retries=tuple(retries), retry_after=tuple(told))
         except aiohttp.ClientError:
             status, ttft, e2e, headers = 0, None, None, {}
         if 200 <= status < 300:
             break
+        told.append(_seconds(headers.get("retry-after")))
         # Status 0 is a connection error: retried like the SDKs do.
         delay = retry_delay(client, attempts, status or None, headers, rng)
         if delay is None:
             break
         await asyncio.sleep(delay)
     return Result(request.index, request.cls, request.tenant, request.at, status, ttft, e2e, attempts,
-                  request.output_tokens, headers.get("x-extproc-reason", ""))
+                  request.output_tokens, headers.get("x-extproc-reason", ""), retries=tuple(retries),
+                  retry_after=tuple(told))
+
+
+def _seconds(value: str | None) -> int | None:
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
 
 
 async def run(url: str, requests: Iterable[Request], client: Client, *, seed: int = 0,

@@ -29,6 +29,10 @@ class Result:
     """extproc's x-extproc-reason on the final rejection, if any."""
     queue_wait: float | None = None
     """Seconds the admitted attempt waited for admission (known in simulation, not over HTTP)."""
+    retries: tuple[float, ...] = ()
+    """When each retry was sent, seconds after the request's first attempt (load runner only)."""
+    retry_after: tuple[int | None, ...] = ()
+    """The Retry-After each rejected attempt was given (None: none), in order (load runner only)."""
 
     @property
     def ok(self) -> bool:

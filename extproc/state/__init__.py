@@ -252,6 +252,9 @@ class GlobalView:
     reason: str | None = None
     held_by: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
     """Leases per replica and lane (what the outage fallback divides the limits by)."""
+    completed: Mapping[str, int] = field(default_factory=dict)
+    """Requests completed per lane over every replica since the store started (counters: the
+    fleet's drain rate is their change over time). Empty while the store is unreachable."""
 
 
 FreedCallback = Callable[[str], None]

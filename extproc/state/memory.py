@@ -81,6 +81,8 @@ class MemoryHub:
         #: The self-sizing fleet limit: who leads (and until when), and the limit it set.
         self.leader: tuple[str, float] | None = None
         self.limit: int | None = None
+        self.completed: dict[str, int] = {}
+        """Completions per lane (what the fleet's drain rate is read from)."""
 
     def lane(self, name: str) -> _Lane:
         lane = self.lanes.get(name)
@@ -220,6 +222,8 @@ class MemoryLedger:
             leases.discard(lease)
         store = self.hub.lanes.get(lane)
         freed = store is not None and store.expiry.pop(self._member(lease), None) is not None
+        if freed:
+            self.hub.completed[lane] = self.hub.completed.get(lane, 0) + 1
         if freed and self.hub.waiting():
             self.hub.publish(lane)
 
@@ -265,7 +269,8 @@ class MemoryLedger:
                 into = tenants.setdefault(lane, {})
                 for tenant, n in counts.items():
                     into[tenant] = into.get(tenant, 0) + n
-        return GlobalView(inflight, hub.queued(), heads, tenants, replicas=max(len(hub.alive), 1))
+        return GlobalView(inflight, hub.queued(), heads, tenants, replicas=max(len(hub.alive), 1),
+                          completed=dict(hub.completed))
 
     def alone(self, limits: Limits) -> Limits | None:
         return None  # one process's memory is never unreachable

@@ -179,6 +179,7 @@ class RedisLedger:
         self._lanes_key = f"{tag}:lanes"
         self._leader_key = f"{tag}:limit:leader"
         self._limit_key = f"{tag}:limit"
+        self._done_key = f"{tag}:done"
         self.channel = f"{tag}:freed"
         self._ttl_ms = str(max(int(ttl * 1000), 1))
         self._queue_ttl_ms = str(max(int(queue_ttl * 1000), 1))
@@ -439,8 +440,8 @@ class RedisLedger:
             if lease not in self._held.get(lane, ()):
                 # Released while the heartbeat was on its way: its ZREM ran first.
                 try:
-                    await self._run("release", [self._lease_key(lane), self._queues_key],
-                                    [member, self.channel, lane], probe=True)
+                    await self._run("release", [self._lease_key(lane), self._queues_key, self._done_key],
+                                    [member, self.channel, lane, "0"], probe=True)
                 except LedgerUnavailable:
                     self._pending.setdefault(lane, set()).add(lease)
                     raise
@@ -563,8 +564,8 @@ class RedisLedger:
                 del self._held[lane]
         self._version += 1
         try:
-            await self._run("release", [self._lease_key(lane), self._queues_key],
-                            [self._member(lease), self.channel, lane])
+            await self._run("release", [self._lease_key(lane), self._queues_key, self._done_key],
+                            [self._member(lease), self.channel, lane, "1"])
         except (LedgerUnavailable, asyncio.CancelledError):
             self._pending.setdefault(lane, set()).add(lease)
             raise
@@ -600,8 +601,9 @@ class RedisLedger:
     async def view(self) -> GlobalView:
         remote = {str(name) for name in await self._io(lambda client: client.smembers(self._lanes_key))}
         lanes = sorted(set(remote) | self._known | set(self._held))
-        replicas, counts, summaries, tenant_summaries, holders = await self._run(
-            "view", [self._alive_key, self._queues_key, *(self._lease_key(lane) for lane in lanes)], [])
+        replicas, counts, summaries, tenant_summaries, holders, done = await self._run(
+            "view", [self._alive_key, self._queues_key, self._done_key,
+                     *(self._lease_key(lane) for lane in lanes)], [])
         self.alive = tuple(replicas)
         queued: dict[str, int] = {}
         heads: dict[str, float] = {}
@@ -625,7 +627,9 @@ class RedisLedger:
         for lane, flat in zip(lanes, holders, strict=True):
             for replica, n in zip(flat[::2], flat[1::2], strict=True):
                 held_by.setdefault(str(replica), {})[lane] = int(n)
-        return GlobalView(inflight, queued, heads, tenants, replicas=max(len(replicas), 1), held_by=held_by)
+        completed = {str(lane): int(n) for lane, n in zip(done[::2], done[1::2], strict=True)}
+        return GlobalView(inflight, queued, heads, tenants, replicas=max(len(replicas), 1), held_by=held_by,
+                          completed=completed)
 
     # -- wake-ups -------------------------------------------------------------------------
 

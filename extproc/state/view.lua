@@ -1,13 +1,15 @@
 -- Read the cluster: live replicas, unexpired leases per lane, live replicas' summaries.
--- KEYS[1] liveness zset, KEYS[2] queue summaries hash, KEYS[3..] lease zsets.
+-- KEYS[1] liveness zset, KEYS[2] queue summaries hash, KEYS[3] completions hash, KEYS[4..] lease
+-- zsets.
 -- Returns {replicas, lease counts in KEYS order, summaries, tenant summaries (false: none),
--- per lease key the holders as a flat list replica, count, replica, count ...}.
+-- per lease key the holders as a flat list replica, count, replica, count ..., completions as a
+-- flat list lane, count, ...}.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local above = '(' .. now
 local replicas = redis.call('ZRANGEBYSCORE', KEYS[1], above, '+inf')
 local counts, holders = {}, {}
-for i = 3, #KEYS do
+for i = 4, #KEYS do
   local members = redis.call('ZRANGEBYSCORE', KEYS[i], above, '+inf')
   counts[#counts + 1] = #members
   -- A member is "<replica>:<lease>": who holds how many, for the outage fallback's allotment.
@@ -28,4 +30,4 @@ if #replicas > 0 then
   summaries = redis.call('HMGET', KEYS[2], unpack(replicas))
   tenants = redis.call('HMGET', KEYS[2], unpack(fields))
 end
-return {replicas, counts, summaries, tenants, holders}
+return {replicas, counts, summaries, tenants, holders, redis.call('HGETALL', KEYS[3])}

@@ -184,7 +184,10 @@ SEEN: set[tuple[str, bool]] = set()
                                                                    HealthCheck.too_slow])
 @given(states())
 # One of each verdict for certain, whatever the draw: a borrower at its max_borrow while slots are
-# free; a borrower whose free slot another lane's queue is owed; a better head elsewhere.
+# free; a borrower whose free slot another lane's queue is owed; a better head elsewhere; a lane at
+# its own limit that may not borrow, with capacity to spare.
+@example(State((LaneLimits("l0", 1), LaneLimits("l1", 2)), 3, {"l0": 1}, ({}, {}), ({}, {}),
+               {"l0": None, "l1": None}))
 @example(State((LaneLimits("l0", 2), LaneLimits("l1", 1, True, 1)), 6, {"l0": 0, "l1": 2},
                ({}, {}), ({}, {}), {"l0": None, "l1": None}))
 @example(State((LaneLimits("l0", 2), LaneLimits("l1", 1, True)), 4, {"l0": 1, "l1": 2},

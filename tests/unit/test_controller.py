@@ -227,3 +227,34 @@ async def test_shadow_lanes_never_wait_for_the_ledger() -> None:
     assert (await ledger.view()).inflight.get("a", 0) == 0
     c.release(decision.ticket)
     await ledger.close()
+
+
+async def test_a_replica_reads_the_fleet_s_drain_rate_from_the_store() -> None:
+    # Replica A completes two requests a second for 30 s; replica B completes none, but reads the
+    # fleet's completion counters on each sync: its Retry-After and its metric use A's pace.
+    hub = MemoryHub()
+    clock = [0.0]
+    a_ledger = await started(MemoryLedger(hub, renew=False, replica="a"))
+    b_ledger = await started(MemoryLedger(hub, renew=False, replica="b"))
+    registry_b = CollectorRegistry()
+    a = Controller(make_policy([lane("a", 4)]), Metrics(CollectorRegistry()), clock=lambda: clock[0],
+                   rng=random.Random(0), ledger=a_ledger)
+    b = Controller(make_policy([lane("a", 4)]), Metrics(registry_b), clock=lambda: clock[0],
+                   rng=random.Random(0), ledger=b_ledger)
+    for step in range(60):
+        clock[0] = step * 0.5
+        decision = a.submit("a", "t", job())
+        confirmed = await a.confirm(decision)
+        assert confirmed.outcome is Outcome.ADMITTED
+        a.release(decision.ticket)
+        for _ in range(3):
+            await asyncio.sleep(0)  # the give-back to the ledger
+        await b._sync_once(b_ledger)
+    rate = b.scheduler.drain_rate("a", clock[0])
+    assert rate == pytest.approx(2.0, rel=0.15)
+    assert sample(registry_b, "extproc_lane_drain_rate", lane="a") == pytest.approx(rate)
+    assert b.scheduler._completions == {}  # nothing completed on B itself
+    await a.stop()
+    await b.stop()
+    await a_ledger.close()
+    await b_ledger.close()

@@ -17,7 +17,9 @@ from pydantic import ValidationError
 
 from extproc.controller import Controller
 from extproc.core.classify import Classifier, RequestFacts
+from extproc.core.decision import Reason
 from extproc.core.estimate import Job
+from extproc.core.retry import retry_after
 from extproc.metrics import Metrics, RateLimitMetrics
 from extproc.policy import Policy
 from extproc.policy.ratelimit import RateLimit, problems
@@ -73,6 +75,7 @@ class FakePressure:
         }
         self.drain = 7.0
         self.drained: list[str] = []
+        self.rng = random.Random(0)
 
     def lane(self, name: str) -> LanePressure | None:
         return self.lanes.get(name)
@@ -80,6 +83,11 @@ class FakePressure:
     def drain_s(self, lane: str) -> float:
         self.drained.append(lane)
         return self.drain
+
+    def retry_after(self, lane: str, reason: Reason) -> int:
+        # As a scheduler that has not measured a completion rate yet: its drain, jittered.
+        config = self.policy.retry_after
+        return retry_after(self.drain if reason.retry_helps else config.max, config, self.rng)
 
     def load(self, lane: str, *, inflight: int | None = None, queued: int = 0, **extra: Any) -> None:
         """Set a lane's load; a slot is free (as the scheduler would say) while it is under its limit
@@ -217,12 +225,13 @@ def test_retry_after_is_bounded_whole_seconds(drain: float, expected: int) -> No
     assert headers_of(response)["retry-after"] == str(expected)
 
 
-def test_retry_after_is_jittered_by_the_policy() -> None:
+def test_a_lane_shed_says_the_scheduler_s_retry_after() -> None:
+    # The lane's Retry-After is the scheduler's (its drain and jitter): the edge passes it on.
     policy = make_policy(retry_after={"min": 1, "max": 60, "jitter": 0.5})
     seen = set()
     for seed in range(20):
         rig = Rig(policy=policy)
-        rig.service.edge._rng = random.Random(seed)
+        rig.pressure.rng = random.Random(seed)
         rig.pressure.load("interactive", queued=4)
         rig.pressure.drain = 20.0
         seen.add(int(headers_of(rig.ask(arrival()))["retry-after"]))
