@@ -73,7 +73,8 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
     if settings.store and not settings.store.startswith("memory:"):
         try:
             ledger = open_ledger(settings.store, prefix=settings.store_prefix,
-                                 fail_open=settings.store_fail_open, ttl=settings.store_ttl_s)
+                                 fail_open=settings.store_fail_open, ttl=settings.store_ttl_s,
+                                 fleet_size=settings.store_fleet_size)
         except ValueError as exc:
             raise StartupError(f"cannot use the store {settings.store!r}: {exc}") from None
         await ledger.start()

@@ -14,6 +14,17 @@ EXIT_BAD_POLICY = 2
 EXIT_STARTUP = 3
 
 
+
+def _replicas(text: str) -> int:
+    """A replica count: a whole number of at least 1 (argparse turns the error into a usage line)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of replicas, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
 def _address(text: str) -> Address:
     try:
         return Address.parse(text)
@@ -62,6 +73,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                         watch_interval_s=args.watch_interval,
                         store=args.store or None, store_fail_open=args.store_fail == "open",
                         store_ttl_s=args.store_ttl, store_prefix=args.store_prefix,
+                        store_fleet_size=args.store_fleet_size,
                         admin_hosts=tuple(h.strip() for h in args.admin_hosts.split(",") if h.strip()),
                         metrics_token=metrics_token, log_key=log_key.encode() if log_key else None)
     try:
@@ -175,6 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="while the store is unreachable: admit within this replica's share of the "
                        "limits (open) or admit nothing (closed) (env EXTPROC_STORE_FAIL; "
                        "default %(default)s)")
+    serve.add_argument("--store-fleet-size", type=_replicas, default=env("STORE_FLEET_SIZE", "1"),
+                       metavar="N",
+                       help="how many replicas share the store: one that starts while the store is "
+                       "unreachable takes only 1/N of the limits, not all of them (env "
+                       "EXTPROC_STORE_FLEET_SIZE; default %(default)s)")
     serve.add_argument("--store-ttl", type=float, default=float(env("STORE_TTL", "15")), metavar="SECONDS",
                        help="lease lifetime: how long a dead replica's slots stay taken "
                        "(default %(default)s)")

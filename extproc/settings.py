@@ -47,6 +47,9 @@ class Settings:
     """While the store is unreachable: admit within this replica's share of the limits (open) or refuse."""
     store_ttl_s: float = 15.0
     """Lease lifetime: how long a dead replica's slots stay taken."""
+    store_fleet_size: int = 1
+    """How many replicas share the store: while the store is unreachable and this replica has seen
+    fewer alive (it started during the outage), it takes only the smallest of this many parts."""
     store_prefix: str = "extproc"
     admin_hosts: tuple[str, ...] = ()
     """Host names the admin port answers to besides its own address and loopback's (DNS rebinding)."""

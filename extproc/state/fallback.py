@@ -68,9 +68,12 @@ class Health:
 
 class FallbackLedger:
     def __init__(self, primary: RedisLedger, *, mode: FailMode = FailMode.OPEN,
-                 retry_interval: float = 0.5) -> None:
+                 retry_interval: float = 0.5, fleet_size: int = 1) -> None:
         self.primary = primary
         self.mode = mode
+        #: How many replicas the operator runs: while this replica has seen fewer (it started while
+        #: Redis was down, or Redis restarted empty), its share is the smallest of this many parts.
+        self.fleet_size = max(1, fleet_size)
         self.retry_interval = retry_interval
         self.degraded = False
         self.reason: str | None = None
@@ -171,6 +174,10 @@ class FallbackLedger:
         horizon = time.monotonic() - 3 * self.primary.queue_ttl
         recent = {replica for replica, seen in self._seen.items() if seen >= horizon}
         everyone = sorted(set(self.primary.alive) | recent | {self.replica})
+        if len(everyone) < self.fleet_size:
+            # Replicas it has not seen may be running: the smallest part, so that the parts of every
+            # replica, however they count, never add up to more than the limits.
+            return limits.share(self.fleet_size - 1, self.fleet_size)
         return limits.share(everyone.index(self.replica), len(everyone))
 
     async def acquire(self, lane: str, lease: str, limits: Limits, rank: float | None = None) -> Verdict:

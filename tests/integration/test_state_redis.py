@@ -241,10 +241,11 @@ async def test_a_sigkilled_replica_loses_its_slots_within_the_ttl(shared_server:
 # -- outages --------------------------------------------------------------------------------------
 
 
-async def fallback(server: RedisServer, mode: FailMode = FailMode.OPEN, **options: Any) -> FallbackLedger:
+async def fallback(server: RedisServer, mode: FailMode = FailMode.OPEN, fleet_size: int = 1,
+                   **options: Any) -> FallbackLedger:
     options = {"ttl": 3.0, "queue_ttl": 1.0, "timeout": 0.05, **options}
     primary = RedisLedger(server.url, prefix="outage", **options)
-    ledger = FallbackLedger(primary, mode=mode, retry_interval=0.1)
+    ledger = FallbackLedger(primary, mode=mode, retry_interval=0.1, fleet_size=fleet_size)
     await ledger.start()
     return ledger
 
@@ -384,6 +385,24 @@ async def test_a_replica_that_starts_while_redis_is_down_starts_degraded_and_rec
         server.start()
         await recovered(a)
         assert (await a.view()).inflight == {"batch": 1}  # lanes it has not used through Redis are unknown
+    finally:
+        await a.close()
+        server.kill()
+
+
+async def test_a_replica_started_while_redis_is_down_takes_its_part_of_the_configured_fleet(
+        tmp_path: Path) -> None:
+    server = RedisServer(tmp_path)
+    a = await fallback(server, fleet_size=3)
+    try:
+        assert a.degraded
+        granted = [await a.acquire("interactive", f"i{n}", LIMITS) for n in range(LIMITS.capacity)]
+        allowed = LIMITS.share(2, 3)
+        assert sum(1 for verdict in granted if verdict) == allowed.lane("interactive").max_inflight
+        assert allowed.capacity == LIMITS.capacity // 3  # the smallest of three parts, not the whole
+        server.start()
+        await recovered(a)
+        assert (await a.view()).inflight == {"interactive": allowed.lane("interactive").max_inflight}
     finally:
         await a.close()
         server.kill()
