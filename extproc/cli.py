@@ -8,22 +8,12 @@ import sys
 from collections.abc import Sequence
 
 from extproc import __version__
-from extproc.settings import Address, Settings, env, read_token
+from extproc.settings import Address, Settings, env, positive_int, read_token
 
 EXIT_BAD_POLICY = 2
 EXIT_STARTUP = 3
 
 
-
-def _replicas(text: str) -> int:
-    """A replica count: a whole number of at least 1 (argparse turns the error into a usage line)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of replicas, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 def _address(text: str) -> Address:
     try:
@@ -187,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="while the store is unreachable: admit within this replica's share of the "
                        "limits (open) or admit nothing (closed) (env EXTPROC_STORE_FAIL; "
                        "default %(default)s)")
-    serve.add_argument("--store-fleet-size", type=_replicas, default=env("STORE_FLEET_SIZE", "1"),
+    serve.add_argument("--store-fleet-size", type=positive_int, default=env("STORE_FLEET_SIZE", "1"),
                        metavar="N",
                        help="how many replicas share the store: one that starts while the store is "
                        "unreachable takes only 1/N of the limits, not all of them (env "

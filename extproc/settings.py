@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import ipaddress
 import os
 from dataclasses import dataclass
@@ -97,6 +98,17 @@ def allowed_hosts(listen: Address, extra: tuple[str, ...] = ()) -> frozenset[str
         shown = f"[{bare}]" if ":" in bare else bare
         out.update({shown, f"{shown}:{port}"})
     return frozenset(out)
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (the error names what was given)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number above 0, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number above 0, got {text!r}")
+    return value
 
 
 def env(name: str, default: str) -> str:

@@ -39,6 +39,7 @@ from extproc.core.estimate import Estimator, Job
 from extproc.core.intake import Intake as CoreIntake
 from extproc.policy.loader import PolicyError, load_policy
 from extproc.policy.schema import Lane, Match, Policy
+from extproc.settings import positive_int
 
 #: Headers every HTTP request carries: not worth an "ignored" line each.
 _TRANSPORT = frozenset({
@@ -831,16 +832,6 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number above 0, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number above 0, got {text!r}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", metavar="FILE", help="the policy file")
     parser.add_argument("--request", metavar="JSON|@FILE",
@@ -856,11 +847,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="share of capacity busy for the estimate, 0..1 (default 0)")
     parser.add_argument("--state", action="append", default=[], metavar="LANE=inflight:N,queued:M",
                         help="decide at this queue state instead of the default scenarios (repeatable)")
-    parser.add_argument("--fill-tokens", type=_positive, default=None, metavar="N",
+    parser.add_argument("--fill-tokens", type=positive_int, default=None, metavar="N",
                         help="output tokens of the synthetic requests that fill a state "
                         "(default: as many as this request)")
     parser.add_argument("--seed", type=int, default=0, help="seed of Retry-After jitter")
-    parser.add_argument("--capacity-limit", type=_positive, default=None, metavar="N",
+    parser.add_argument("--capacity-limit", type=positive_int, default=None, metavar="N",
                         help="with capacity.max_inflight: auto, decide at this fleet limit (default: "
                         "where it starts; clamped into its bounds)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")

@@ -538,3 +538,13 @@ def test_bad_urls_say_what_is_wrong(url: str, message: str) -> None:
 def test_a_prefix_with_braces_is_refused() -> None:
     with pytest.raises(ValueError, match="braces"):
         RedisLedger("redis://127.0.0.1:1", prefix="a{b}")
+
+
+def test_a_fleet_size_that_is_not_a_count_is_a_usage_error() -> None:
+    for bad in ("0", "three"):
+        command = [sys.executable, "-m", "extproc", "serve", "--policy", "examples/demo-policy.yaml",
+                   "--store-fleet-size", bad]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=60,
+                                cwd=Path(__file__).resolve().parents[2])
+        assert result.returncode == 2
+        assert f"--store-fleet-size: expected a whole number above 0, got '{bad}'" in result.stderr
