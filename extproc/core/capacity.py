@@ -8,7 +8,9 @@ token (TPOT) p95.
 * **Fall fast.** An engine queue above ``target.queue`` (seen on two ticks running, or four
   times over at once) means the limit lets more requests in than the engines run at once: the
   limit drops to what the engines run (in flight − (waiting − queue)), at most halving in one
-  move; a limit already there holds while the requests admitted before it drain. A latency
+  move; a limit already there holds while the requests admitted before it drain, and a limit
+  well above what runs sheds only a few waiting requests (ones caught between two engine steps
+  look the same), not itself down to what runs. A latency
   percentile above its target cuts the limit in proportion (target / observed, between ×0.5 and
   ×0.95). A percentile looks back over its window (the signal's ``window``, or a query's
   ``[range]``), so after a fall it may cut again only once that window and ``cooldown`` have
@@ -174,8 +176,14 @@ class AutoLimit:
             # What the engines run is what is in flight less what waits in their queues. A limit
             # already at or below that has taken the excess off: requests admitted before it still
             # wait there until running ones finish, and cutting again for them would overshoot.
+            # A few requests waiting while the limit is well above what runs may be ones caught
+            # between two engine steps: shed that excess, not the limit down to what runs. A larger
+            # queue is the engines out of room (their KV cache): down to what they run at once.
             excess = waiting - target.queue
-            fall_to = max(float(auto.min), float(inflight) - excess, self._value * (1 - _MAX_CUT))
+            binding = inflight >= _PRESSED * self._value
+            base = float(inflight) if binding or waiting > _CLEAR_QUEUE * (target.queue + 1) \
+                else self._value
+            fall_to = max(float(auto.min), base - excess, self._value * (1 - _MAX_CUT))
             if fall_to >= self._value:
                 return None
             self._value = fall_to

@@ -95,6 +95,16 @@ def test_one_sample_of_a_small_engine_queue_is_not_yet_a_fall() -> None:
     assert (move.limit, move.reason) == (177, "engine_queue")  # what runs (180) less the excess
 
 
+def test_a_request_or_two_waiting_below_a_loose_limit_trims_it_not_down_to_what_runs() -> None:
+    # 47 run under a limit of 64 and one request waits at the engines twice running: it may be
+    # one caught between two engine steps; the limit sheds that one, not 17 slots.
+    a = auto_of(policy(start=64))
+    assert a.update(readings(0, waiting=1), inflight=47, held=False, now=0) is None
+    move = a.update(readings(2, waiting=1), inflight=47, held=False, now=2)
+    assert move is not None
+    assert (move.limit, move.reason) == (63, "engine_queue")
+
+
 def test_an_engine_queue_takes_the_excess_off_at_once() -> None:
     a = auto_of(policy(start=100))
     move = a.update(readings(0, waiting=30), inflight=100, held=True, now=0)
