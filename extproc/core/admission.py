@@ -34,6 +34,9 @@ from extproc.core.retry import bounds, retry_after
 from extproc.core.saturation import Effect
 from extproc.policy.schema import Lane, Policy
 
+#: A lane completing fewer requests per second than this drains slower than a Retry-After can say
+#: (a minute at most): its measured rate is not used.
+_SLOWEST_RATE = 1e-3
 #: Dead leases tolerated beyond twice the in-flight count before the lease heap is rebuilt.
 _LEASE_SLACK = 1024
 
@@ -172,6 +175,9 @@ class Scheduler:
             self._inflight.setdefault(name, {})
             if name not in self._queues:
                 self._queues[name] = LaneQueue(self._tenant_weight)
+        for name in [name for name in self._completions if name not in lanes]:
+            del self._completions[name]
+        self._calendar.forget(set(lanes))
         self._update_limits()
         return self._dispatch(now) if now is not None else []
 
@@ -485,6 +491,8 @@ class Scheduler:
                 if rate is None:
                     rate = self._completions[ticket.lane] = Rate()
                 rate.add(now)
+                if not inflight and not self._queues[ticket.lane]:
+                    rate.pause(now)  # idle: completing nothing says nothing of its pace
             if learn and ticket.admitted_at is not None:
                 self.estimator.observe(ticket.job, ticket.occupancy, now - ticket.admitted_at)
         ticket.state = State.DONE
@@ -566,11 +574,16 @@ class Scheduler:
             self.paused.discard(name)
             self.blocked.discard(name)
             del self._lanes[name], self._inflight[name], self._queues[name]
+            self._completions.pop(name, None)
             self._order = [lane for lane in self._order if lane.name != name]
+        self._calendar.forget(set(self._lanes))
 
     # -- internals ------------------------------------------------------------------
 
     def _admit(self, ticket: Ticket, now: float) -> None:
+        rate = self._completions.get(ticket.lane)
+        if rate is not None:
+            rate.resume(now)
         ticket.state = State.INFLIGHT
         ticket.admitted_at = now
         ticket.occupancy = self.occupancy()
@@ -612,34 +625,49 @@ class Scheduler:
 
         Where retrying soon cannot help (a closed or shed lane): the longest allowed, jittered.
         Otherwise from when a request queued now would start (``drain_wait``): once the lane's
-        completion rate is known, the first second from then on that fewer clients were told than
-        the lane completes per second (this replica's part of the fleet's), so retries come back
-        at the pace slots free; before that, the drain itself, jittered.
+        completion rate is known, the next free place in the lane's return schedule from then on
+        (one client per ``1 / rate`` seconds; this replica's part of the fleet's rate), so retries
+        come back at the pace slots free; before that, or with the schedule booked beyond the
+        longest allowed, the drain itself, jittered.
         """
         config = self.policy.retry_after
         if not reason.retry_helps:
             return retry_after(config.max, config, self._rng)
         drain = self.drain_wait(lane, now)
-        rate = self.drain_rate(lane, now)
-        if rate is None or rate <= 0:
-            return retry_after(drain, config, self._rng)
-        low, high = bounds(config)
-        return self._calendar.book(lane, now, max(drain, low), high, rate / self._replicas)
+        measured = self._rate(lane, now)
+        if measured is not None:
+            low, high = bounds(config)
+            rate, share = measured
+            told = self._calendar.book(lane, now, max(drain, low), high, rate / share)
+            if told is not None:
+                return told
+        return retry_after(drain, config, self._rng)
 
     def set_drain_rates(self, rates: Mapping[str, float], replicas: int = 1) -> None:
         """The fleet's completions per second per lane (from the shared store; lanes absent are
-        measured here) and how many replicas share them (each books its part of a second)."""
+        measured here) and how many replicas share them (each books its part of the schedule)."""
         self._fleet_rates = dict(rates)
-        self._replicas = max(1, replicas) if rates else 1
+        self._replicas = max(1, replicas)
 
     def drain_rate(self, lane: str, now: float) -> float | None:
         """Completions per second in ``lane``: the fleet's if known, else this replica's once it
-        has watched for a while; None before that."""
+        has watched for a while; None before that (or while slower than Retry-After can say)."""
+        measured = self._rate(lane, now)
+        return measured[0] if measured is not None else None
+
+    def _rate(self, lane: str, now: float) -> tuple[float, int] | None:
+        """(completions per second, how many replicas share them) for ``lane``, if known."""
         fleet = self._fleet_rates.get(lane)
         if fleet is not None:
-            return fleet
-        local = self._completions.get(lane)
-        return local.value(now) if local is not None and local.known(now) else None
+            rate, share = fleet, self._replicas
+        else:
+            local = self._completions.get(lane)
+            if local is None or not local.known(now):
+                return None
+            rate, share = local.value(now), 1
+        if not (rate >= _SLOWEST_RATE and math.isfinite(rate)):
+            return None
+        return rate, share
 
     def drain_rates(self, now: float) -> dict[str, float | None]:
         """Every lane's ``drain_rate``."""
@@ -654,12 +682,15 @@ class Scheduler:
         if config is None:
             return 0.0
         queue = self._queues.get(lane)
-        ahead = (len(queue) if queue is not None else 0) + self._others_queued.get(lane, 0)
-        if ahead == 0 and self._admissible(config):
+        here = len(queue) if queue is not None else 0
+        if here + self._others_queued.get(lane, 0) == 0 and self._admissible(config):
             return 0.0
-        rate = self.drain_rate(lane, now)
-        if rate is None or rate <= 0:
+        measured = self._rate(lane, now)
+        if measured is None:
             return self.backlog_wait(lane, now)
+        rate, _ = measured
+        # The fleet's rate drains every replica's queue; this replica's own rate only its own.
+        ahead = here + self._others_queued.get(lane, 0) if lane in self._fleet_rates else here
         return (ahead + 1) / rate
 
     def _victim(self, incoming: Lane) -> Ticket | None:

@@ -180,14 +180,14 @@ class AutoLimit:
             # between two engine steps: shed that excess, not the limit down to what runs. A larger
             # queue is the engines out of room (their KV cache): down to what they run at once.
             excess = waiting - target.queue
-            binding = inflight >= _PRESSED * self._value
-            base = float(inflight) if binding or waiting > _CLEAR_QUEUE * (target.queue + 1) \
-                else self._value
+            full = inflight >= _PRESSED * self._value or waiting > _CLEAR_QUEUE * (target.queue + 1)
+            base = float(inflight) if full else self._value
             fall_to = max(float(auto.min), base - excess, self._value * (1 - _MAX_CUT))
             if fall_to >= self._value:
                 return None
             self._value = fall_to
-            self._cut(now, min(was, max(float(inflight), self._value)))
+            # A trim of a loose limit says nothing of where the engines have too many: keep that.
+            self._cut(now, min(was, max(float(inflight), self._value)) if full else None)
             return self._moved(before, now, "engine_queue",
                                f"the engines queue {waiting:g} requests (target {target.queue})")
         over: list[tuple[float, Reason, str]] = []
@@ -275,9 +275,11 @@ class AutoLimit:
             if signal is not None and signal.lookback is not None:
                 self._lookback[role] = signal.lookback
 
-    def _cut(self, now: float, trouble: float) -> None:
-        """``trouble``: the concurrency the engines could not take (what ran, not a limit above it)."""
-        self._ceiling = trouble
+    def _cut(self, now: float, trouble: float | None) -> None:
+        """``trouble``: the concurrency the engines could not take (what ran, not a limit above it);
+        None: not known from this fall (the last one's stays)."""
+        if trouble is not None:
+            self._ceiling = trouble
         self._slow_start = False
         self._last_cut = now
         self._growth = _GROW_FIRST

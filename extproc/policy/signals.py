@@ -47,8 +47,11 @@ OnStale = Literal["ignore", "saturated", "hold"]
 GaugePreset = Literal["kv_cache_usage", "waiting_requests", "running_requests"]
 #: How far back a quantile looks when ``window`` is not given (seconds).
 DEFAULT_WINDOW = 30.0
-#: A PromQL range selector's duration, e.g. ``[30s]`` in ``rate(x[30s])``.
-_RANGE = re.compile(r"\[(\d+(?:\.\d+)?)(ms|s|m|h)\]")
+#: A PromQL range selector, e.g. ``[30s]`` in ``rate(x[30s])``, ``[1m30s]``, or a subquery's
+#: range ``[5m:30s]`` (its resolution after the colon is not how far back it reaches).
+_RANGE = re.compile(r"\[((?:\d+(?:ms|[smhdwy]))+)(?::[^\]]*)?\]")
+_UNIT = re.compile(r"(\d+)(ms|[smhdwy])")
+_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86_400.0, "w": 604_800.0, "y": 31_536_000.0}
 
 #: Presets that name a histogram: read only as a percentile (``quantile``) over a ``window``.
 HistogramPreset = Literal["ttft_seconds", "inter_token_latency_seconds"]
@@ -237,7 +240,7 @@ class Signal(_Strict):
         found = _RANGE.search(self.query or "")
         if found is None:
             return None
-        return float(found[1]) * {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}[found[2]]
+        return sum(float(n) * _SECONDS[unit] for n, unit in _UNIT.findall(found[1]))
 
     @model_validator(mode="after")
     def _metric_or_preset(self) -> Signal:

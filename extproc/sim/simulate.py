@@ -187,7 +187,7 @@ class Simulator:
         """Simulate ``requests`` through ``policy`` (None: no admission control).
 
         ``requests`` is read as the simulation reaches each arrival (a trace streams; nothing is
-        loaded whole): they must come in arrival order, with distinct indices. A request's state is
+        loaded whole): they must come in arrival order, with increasing indices. A request's state is
         dropped once it has its result.
         """
         rng = random.Random(self.seed)
@@ -207,7 +207,7 @@ class Simulator:
         source = iter(requests)
         upcoming = next(source, None)
         arrived = 0
-        last_at = -math.inf
+        last_at, last_index = -math.inf, -1
         states: dict[int, _State] = {}
         results: list[Result] = []
         by_ticket: dict[int, _State] = {}
@@ -237,6 +237,7 @@ class Simulator:
             except RequestRejected:
                 finish(st, 400, None, "too_long")
                 if gate is not None and st.ticket is not None:
+                    by_ticket.pop(st.ticket.id, None)
                     settle(gate.scheduler.release(st.ticket, now, learn=False), now)
 
         def refused(st: _State, status: int, headers: dict[str, str], reason: str, now: float) -> None:
@@ -348,10 +349,10 @@ class Simulator:
             clock[0] = now
             while upcoming is not None and upcoming.at <= now:
                 r = upcoming
-                if r.at < last_at or r.index in states:
-                    raise ValueError(f"requests must come in arrival order with distinct indices: request "
-                                     f"{r.index} at {r.at:g}s after {last_at:g}s")
-                last_at = r.at
+                if r.at < last_at or r.index <= last_index:
+                    raise ValueError(f"requests must come in arrival order with increasing indices: request "
+                                     f"{r.index} at {r.at:g}s after {last_index} at {last_at:g}s")
+                last_at, last_index = r.at, r.index
                 states[r.index] = _State(r)
                 heapq.heappush(heap, (r.at, 2 * arrived, _ARRIVE, r.index))
                 heapq.heappush(heap, (r.at + self.client.timeout, 2 * arrived + 1, _TIMEOUT, r.index))

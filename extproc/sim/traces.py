@@ -412,6 +412,8 @@ class Trace:
                 continue
             if not isinstance(doc, dict) or doc.get("event") != "decision" or "arrival" not in doc:
                 continue
+            if _is_retry(doc):
+                continue  # the replay's own clients retry what was refused: not twice
             try:
                 arrival = float(doc["arrival"])
             except (TypeError, ValueError):
@@ -494,6 +496,18 @@ def _azure_time(text: str) -> float:
         raise ValueError(f"bad fractional seconds in {text!r}")
     base = datetime.strptime(whole, "%Y-%m-%d %H:%M:%S").replace(tzinfo=UTC)
     return base.timestamp() + (float(f"0.{fraction}") if fraction else 0.0)
+
+
+def _is_retry(doc: Mapping[str, Any]) -> bool:
+    """Whether a decision record is a client's retry (extproc's flag, or the SDKs' retry header)."""
+    if doc.get("retry") is True:
+        return True
+    headers = doc.get("headers") or {}
+    count = headers.get("x-stainless-retry-count") if isinstance(headers, Mapping) else None
+    try:
+        return count is not None and int(count) > 0
+    except (TypeError, ValueError):
+        return False
 
 
 def _from_log(doc: Mapping[str, Any], at: float) -> Request:

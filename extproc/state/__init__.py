@@ -186,6 +186,16 @@ class Limits:
         )
         return Limits(lanes, _part(self.capacity, position, replicas))
 
+    def smallest_part(self, replicas: int) -> Limits:
+        """The smallest part of every limit when ``replicas`` split them (each rounded down): what a
+        replica may take that does not know its place among them; the parts of any ``replicas``
+        replicas, however they count, never add up to more than the limits."""
+        if replicas <= 1:
+            return self
+        return Limits(tuple(LaneLimits(lane.name, lane.max_inflight // replicas, lane.borrow,
+                                       None if lane.max_borrow is None else lane.max_borrow // replicas)
+                            for lane in self.lanes), self.capacity // replicas)
+
     def check(self, lane: str, inflight: Mapping[str, int], queued: Mapping[str, int]
               ) -> tuple[Verdict, int]:
         """Whether one more request of ``lane`` may start, and how many could (0 unless granted).

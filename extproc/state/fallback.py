@@ -177,7 +177,7 @@ class FallbackLedger:
         if len(everyone) < self.fleet_size:
             # Replicas it has not seen may be running: the smallest part, so that the parts of every
             # replica, however they count, never add up to more than the limits.
-            return limits.share(self.fleet_size - 1, self.fleet_size)
+            return limits.smallest_part(self.fleet_size)
         return limits.share(everyone.index(self.replica), len(everyone))
 
     async def acquire(self, lane: str, lease: str, limits: Limits, rank: float | None = None) -> Verdict:

@@ -397,9 +397,11 @@ async def test_a_replica_started_while_redis_is_down_takes_its_part_of_the_confi
     try:
         assert a.degraded
         granted = [await a.acquire("interactive", f"i{n}", LIMITS) for n in range(LIMITS.capacity)]
-        allowed = LIMITS.share(2, 3)
-        assert sum(1 for verdict in granted if verdict) == allowed.lane("interactive").max_inflight
+        allowed = LIMITS.smallest_part(3)
+        assert sum(1 for verdict in granted if verdict) == allowed.lane("interactive").max_inflight == 4 // 3
         assert allowed.capacity == LIMITS.capacity // 3  # the smallest of three parts, not the whole
+        # Every lane and the capacity rounded down: three such replicas stay within every limit.
+        assert all(3 * lane.max_inflight <= LIMITS.lane(lane.name).max_inflight for lane in allowed.lanes)
         server.start()
         await recovered(a)
         assert (await a.view()).inflight == {"interactive": allowed.lane("interactive").max_inflight}

@@ -62,9 +62,8 @@ def test_drain_wait_is_the_queue_ahead_over_the_measured_rate() -> None:
         assert s.submit("a", "t", job(), now)[0].outcome is Outcome.QUEUED
     assert s.drain_wait("a", now) == pytest.approx(8 / 4.0, rel=0.1)  # 7 ahead, then itself
     s.set_others({}, {"a": 12}, now)  # other replicas queue 12 more in the lane
-    assert s.drain_wait("a", now) == pytest.approx(20 / 4.0, rel=0.1)
-    s.set_drain_rates({"a": 10.0})  # the fleet drains faster than this replica alone
-    assert s.drain_wait("a", now) == pytest.approx(2.0)
+    s.set_drain_rates({"a": 10.0}, replicas=2)  # and the fleet drains faster than this one alone
+    assert s.drain_wait("a", now) == pytest.approx(20 / 10.0)
     # The edge answers from the same drain as the scheduler's own rejections.
     assert SchedulerPressure(s, lambda: now).drain_s("a") == s.drain_wait("a", now)
 
@@ -91,13 +90,16 @@ def test_retry_after_follows_the_drain() -> None:
     assert config.max * (1 - config.jitter) - 1 <= decision.retry_after <= config.max
 
 
-def test_the_calendar_tells_no_second_more_clients_than_the_lane_completes() -> None:
+def test_the_calendar_books_returns_no_faster_than_the_lane_drains() -> None:
     calendar = RetryCalendar()
     told = [calendar.book("a", 100.4, earliest=2.5, latest=6, rate=2.0) for _ in range(9)]
-    assert told == [3, 3, 4, 4, 5, 5, 6, 6, 6]  # from ceil(2.5); two a second; then the latest
-    assert calendar.book("b", 100.4, earliest=0.2, latest=6, rate=0.3) == 1  # at least one a second
-    assert calendar.book("b", 100.4, earliest=0.2, latest=6, rate=0.3) == 2
-    assert calendar.book("a", 101.2, earliest=1, latest=6, rate=2.0) == 1  # second 102: free
+    assert told == [3, 3, 4, 4, 5, 5, 6, 6, None]  # from ceil(2.5), two a second, then full
+    slow = [calendar.book("b", 100.4, earliest=0.2, latest=20, rate=0.2) for _ in range(4)]
+    assert slow == [1, 6, 11, 16]  # one every 5 s: a lane completing one request per 5 s
+    assert calendar.book("c", 0, earliest=math.inf, latest=6, rate=1.0) is None
+    assert calendar.book("c", 0, earliest=9, latest=6, rate=1.0) is None  # beyond what it may say
+    calendar.forget({"a"})
+    assert calendar.book("b", 100.4, earliest=0.2, latest=20, rate=0.2) == 1  # b was forgotten
 
 
 def test_a_burst_of_rejections_is_told_to_come_back_at_the_pace_the_lane_drains() -> None:
@@ -110,3 +112,48 @@ def test_a_burst_of_rejections_is_told_to_come_back_at_the_pace_the_lane_drains(
     assert max(per_second.values()) <= 4  # no wave: at most what the lane completes per second
     assert min(t for t in told if t is not None) >= 10  # 51 ahead at 4/s: not before the drain
     assert len(per_second) >= 8
+
+
+def test_a_lane_idle_for_hours_keeps_its_pace_and_never_breaks_retry_after() -> None:
+    s, now = drained_scheduler(rate_per_s=4.0)
+    for ticket in list(s._inflight["a"].values()):  # the lane empties, then idles for two hours
+        s.release(ticket, now)
+    later = now + 7200
+    assert s.drain_rate("a", later) == pytest.approx(4.0, rel=0.1)  # paused, not decayed
+    decisions = [s.submit("a", "t", job(), later)[0] for _ in range(70)]  # a burst: no exception
+    rejected = [d for d in decisions if d.outcome is Outcome.REJECTED]
+    assert rejected
+    assert all(d.retry_after is not None and 1 <= d.retry_after <= 30 for d in rejected)
+
+
+def test_a_rate_too_slow_to_say_falls_back_to_list_scheduling() -> None:
+    s = Scheduler(make_policy([lane("a", 1, max_queued=5)]), rng=random.Random(0))
+    first = s.submit("a", "t", job(), 0)[0].ticket
+    s.release(first, 0.5)
+    running = s.submit("a", "t", job(), 0.5)[0].ticket  # busy, but nothing completes for hours
+    s.submit("a", "t", job(), 0.5)
+    assert running is not None
+    assert s.drain_rate("a", 10_000) is None  # decayed below one per 1,000 s: not a pace
+    assert s.drain_wait("a", 10_000) == pytest.approx(s.backlog_wait("a", 10_000))
+    assert s.submit("a", "t", job(), 10_000)[0].outcome is not None  # and no OverflowError
+
+
+def test_fleet_rate_rebaselines_after_missed_readings() -> None:
+    fleet = FleetRate(tau=10)
+    for t in range(0, 31):
+        fleet.update({"a": 100 * t}, t)  # 100 per second
+    assert fleet.rates(30)["a"] == pytest.approx(100, rel=0.1)
+    fleet.update({"a": 100 * 60}, 60)  # 30 s without a reading: not 3,000 completions at once
+    assert fleet.rates(60)["a"] < 100
+    fleet.update({"b": 3}, 61)  # a lane gone from the store (a reload) is forgotten
+    assert "a" not in fleet.rates(61)
+
+
+def test_this_replica_s_own_rate_drains_only_its_own_queue() -> None:
+    s, now = drained_scheduler(rate_per_s=4.0)
+    for _ in range(3):
+        s.submit("a", "t", job(), now)
+    s.set_others({}, {"a": 40}, now)  # others queue 40, but the fleet's rate is not known
+    assert s.drain_wait("a", now) == pytest.approx(4 / 4.0, rel=0.1)
+    s.set_drain_rates({"a": 8.0}, replicas=2)
+    assert s.drain_wait("a", now) == pytest.approx(44 / 8.0)

@@ -126,6 +126,9 @@ def test_lookback_is_how_far_back_one_reading_reaches() -> None:
     assert Signal.model_validate({"source": "prom", "query": query}).lookback == 120.0
     gauge = Signal.model_validate({"source": "prom", "query": "max(vllm:num_requests_waiting)"})
     assert gauge.lookback is None
+    for text, seconds in (("rate(x[1m30s])", 90.0), ("max_over_time(x[5m:30s])", 300.0),
+                          ("rate(x[1d])", 86_400.0), ("rate(x[500ms])", 0.5)):
+        assert Signal.model_validate({"source": "prom", "query": text}).lookback == seconds, text
 
 
 def test_models_are_frozen() -> None:

@@ -172,7 +172,11 @@ def test_a_decision_log_is_put_back_in_arrival_order_in_a_bounded_buffer(tmp_pat
 
     log = tmp_path / "extproc.log"
     # Written when each request ended: 12.0 ended before 11.5 and 11.0.
-    log.write_text("\n".join(record(a) for a in (10.0, 12.0, 11.5, 11.0, 13.0)) + "\n")
+    retry = json.dumps({"event": "decision", "arrival": 12.5, "lane": "a", "retry": True})
+    sdk_retry = json.dumps({"event": "decision", "arrival": 12.7, "lane": "a",
+                            "headers": {"x-stainless-retry-count": "1"}})
+    log.write_text("\n".join([*(record(a) for a in (10.0, 12.0, 11.5, 11.0, 13.0)), retry, sdk_retry]) + "\n")
+    # Retries are not replayed: the replay's own clients retry what is refused.
     assert [r.at for r in Trace(log)] == [0.0, 1.0, 1.5, 2.0, 3.0]
     with pytest.raises(TraceError, match=r"extproc.log:4: .* more out of order than the reorder buffer"):
         list(Trace(log, replay=Replay(reorder=1)))
