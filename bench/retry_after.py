@@ -6,7 +6,8 @@ capacity, with clients that honour Retry-After exactly (up to 4 retries; the Ope
 without their backoff when a Retry-After is given). Two runs on the same requests:
 
 * ``drain`` — the policy as shipped: Retry-After = the requests ahead in the lane (every replica's)
-  over the lane's measured completion rate, bounded by retry_after.min/max and jittered;
+  over the lane's measured completion rate, booked on the lane's return schedule (one client per
+  1/rate s), bounded by retry_after.min/max;
 * ``fixed`` — the same policy answering a constant ``Retry-After: 1`` (retry_after min = max = 1 s,
   no jitter), what many gateways send.
 

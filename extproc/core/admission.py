@@ -620,7 +620,7 @@ class Scheduler:
         ticket.state = State.DONE
         return Decision(Outcome.REJECTED, ticket, reason, self.retry_after(reason, ticket.lane, now), cause)
 
-    def retry_after(self, reason: Reason, lane: str, now: float) -> int:
+    def retry_after(self, reason: Reason, lane: str, now: float, drain: float | None = None) -> int:
         """Retry-After for a rejection (whole seconds, within retry_after's bounds, never 0).
 
         Where retrying soon cannot help (a closed or shed lane): the longest allowed, jittered.
@@ -628,12 +628,14 @@ class Scheduler:
         completion rate is known, the next free place in the lane's return schedule from then on
         (one client per ``1 / rate`` seconds; this replica's part of the fleet's rate), so retries
         come back at the pace slots free; before that, or with the schedule booked beyond the
-        longest allowed, the drain itself, jittered.
+        longest allowed, the drain itself, jittered. ``drain``: ``drain_wait`` if the caller
+        already has it (the edge's lane check computed it).
         """
         config = self.policy.retry_after
         if not reason.retry_helps:
             return retry_after(config.max, config, self._rng)
-        drain = self.drain_wait(lane, now)
+        if drain is None:
+            drain = self.drain_wait(lane, now)
         measured = self._rate(lane, now)
         if measured is not None:
             low, high = bounds(config)

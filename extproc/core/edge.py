@@ -82,8 +82,9 @@ class Pressure(Protocol):
         """Estimated seconds until a request queued now, behind the whole queue, would start."""
         ...
 
-    def retry_after(self, lane: str, reason: Reason) -> int:
-        """The Retry-After the scheduler itself would give a request of ``lane`` refused for ``reason``."""
+    def retry_after(self, lane: str, reason: Reason, drain: float) -> int:
+        """The Retry-After the scheduler itself would give a request of ``lane`` refused for
+        ``reason``, its drain (``drain_s``) already known."""
         ...
 
 
@@ -113,8 +114,8 @@ class SchedulerPressure:
         # The same drain as the scheduler's own rejections: the edge and ext_proc answer alike.
         return self._scheduler.drain_wait(lane, self._clock())
 
-    def retry_after(self, lane: str, reason: Reason) -> int:
-        return self._scheduler.retry_after(reason, lane, self._clock())
+    def retry_after(self, lane: str, reason: Reason, drain: float) -> int:
+        return self._scheduler.retry_after(reason, lane, self._clock(), drain)
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,9 +310,9 @@ class Edge:
         assert reason is not None
         lane = worst.lane if worst.lane != ANY_LANE else None
         if lane is not None and reason not in _BUDGETS:
-            # A lane's pressure: the scheduler's own Retry-After (its drain and its calendar of
-            # who was told to come back when), so the edge and ext_proc answer alike.
-            wait = self.pressure.retry_after(lane, reason)
+            # A lane's pressure: the scheduler's own Retry-After (its drain, as the lane check
+            # measured it, and its return schedule), so the edge and ext_proc answer alike.
+            wait = self.pressure.retry_after(lane, reason, worst.status.reset_s)
         else:  # a tenant budget: when its bucket has room again
             wait = retry_after(worst.status.reset_s, policy.retry_after, self._rng)
         signal = rule = None

@@ -65,7 +65,12 @@ def test_drain_wait_is_the_queue_ahead_over_the_measured_rate() -> None:
     s.set_drain_rates({"a": 10.0}, replicas=2)  # and the fleet drains faster than this one alone
     assert s.drain_wait("a", now) == pytest.approx(20 / 10.0)
     # The edge answers from the same drain as the scheduler's own rejections.
-    assert SchedulerPressure(s, lambda: now).drain_s("a") == s.drain_wait("a", now)
+    edge = SchedulerPressure(s, lambda: now)
+    assert edge.drain_s("a") == s.drain_wait("a", now)
+    # Given that drain (2 s), the edge books the lane's return schedule as ext_proc does: 2 s, and
+    # the next client (ext_proc's) 1/5 s later, at this replica's half of 10/s: ceil(2.2) = 3 s.
+    assert edge.retry_after("a", Reason.QUEUE_FULL, edge.drain_s("a")) == 2
+    assert s.retry_after(Reason.QUEUE_FULL, "a", now) == 3
 
 
 def test_drain_wait_is_zero_with_a_slot_free_and_list_scheduling_before_any_rate() -> None:
@@ -130,12 +135,13 @@ def test_a_rate_too_slow_to_say_falls_back_to_list_scheduling() -> None:
     s = Scheduler(make_policy([lane("a", 1, max_queued=5)]), rng=random.Random(0))
     first = s.submit("a", "t", job(), 0)[0].ticket
     s.release(first, 0.5)
-    running = s.submit("a", "t", job(), 0.5)[0].ticket  # busy, but nothing completes for hours
+    assert s.submit("a", "t", job(), 0.5)[0].outcome is Outcome.ADMITTED  # busy, nothing completes
     s.submit("a", "t", job(), 0.5)
-    assert running is not None
     assert s.drain_rate("a", 10_000) is None  # decayed below one per 1,000 s: not a pace
     assert s.drain_wait("a", 10_000) == pytest.approx(s.backlog_wait("a", 10_000))
-    assert s.submit("a", "t", job(), 10_000)[0].outcome is not None  # and no OverflowError
+    assert s.submit("a", "t", job(), 10_000)[0].outcome is Outcome.QUEUED  # no OverflowError
+    told = s.retry_after(Reason.QUEUE_FULL, "a", 10_000)
+    assert 1 <= told <= s.policy.retry_after.max
 
 
 def test_fleet_rate_rebaselines_after_missed_readings() -> None:

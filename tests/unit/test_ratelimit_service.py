@@ -84,10 +84,10 @@ class FakePressure:
         self.drained.append(lane)
         return self.drain
 
-    def retry_after(self, lane: str, reason: Reason) -> int:
+    def retry_after(self, lane: str, reason: Reason, drain: float) -> int:
         # As a scheduler that has not measured a completion rate yet: its drain, jittered.
         config = self.policy.retry_after
-        return retry_after(self.drain if reason.retry_helps else config.max, config, self.rng)
+        return retry_after(drain if reason.retry_helps else config.max, config, self.rng)
 
     def load(self, lane: str, *, inflight: int | None = None, queued: int = 0, **extra: Any) -> None:
         """Set a lane's load; a slot is free (as the scheduler would say) while it is under its limit
