@@ -70,7 +70,7 @@ async def _serve(port: int, gap_s: float) -> None:
         asked = bool((doc.get("stream_options") or {}).get("include_usage"))
         response = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await response.prepare(request)
-        for i in range(chunks):
+        for _i in range(chunks):
             event = {"id": "b", "object": "chat.completion.chunk", "model": "bench", "t": time.time(),
                      "choices": [{"index": 0, "delta": {"content": "tok"}, "finish_reason": None}]}
             await response.write(b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n")
@@ -190,7 +190,8 @@ def main() -> int:
     stack = localstack.Stack(workdir)
     try:
         upstream = localstack.free_port()
-        stack.start("upstream", [sys.executable, __file__, "--serve", str(upstream), "--gap-ms", str(args.gap_ms)])
+        stack.start("upstream", [sys.executable, __file__, "--serve", str(upstream),
+                                 "--gap-ms", str(args.gap_ms)])
         localstack.wait_http(f"http://127.0.0.1:{upstream}/health", proc=stack.processes[-1].popen)
         noop = localstack.free_port()
         noop_proc = stack.start("noop", [sys.executable, str(ROOT / "bench" / "noop_extproc.py"), str(noop)])
@@ -242,7 +243,8 @@ def main() -> int:
             s["added_chunk_latency_ms"] = {k: round(s["chunk_latency_ms"][k] - base["chunk_latency_ms"][k], 3)
                                            for k in ("p50", "p99")}
             s["added_cpu_us_per_request"] = s["cpu_us_per_request"] - base["cpu_us_per_request"]
-            s["cpu_ratio_vs_no_budget"] = round(s["cpu_us_per_request"] / max(base["cpu_us_per_request"], 1), 3)
+            ratio = s["cpu_us_per_request"] / max(base["cpu_us_per_request"], 1)
+            s["cpu_ratio_vs_no_budget"] = round(ratio, 3)
         doc = {
             "when": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "machine": {"cpus": __import__("os").cpu_count(), "python": platform.python_version()},

@@ -9,6 +9,7 @@ Clients are the real OpenAI SDK (streaming, with and without ``include_usage``) 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -20,7 +21,8 @@ import openai
 import pytest
 
 from extproc.localstack import Process, Stack, envoy_config, free_port, wait_http
-from tests.integration.conftest import DEMO_KEYS, metric
+from tests.integration.conftest import DEMO_KEYS, Env, metric
+from tests.integration.upstream import USAGE_BODIES
 
 pytestmark = pytest.mark.envoy
 
@@ -173,3 +175,60 @@ def test_streams_run_on_without_their_usage_event_when_extproc_dies_mid_way(gate
     # The proxy still removed the usage event extproc asked for before it died.
     assert all((d["choices"] and "usage" not in d) or d.get("usage") is None for d in docs)
     assert docs[-1]["choices"][0]["finish_reason"] == "length"
+
+
+BUDGET_POLICY = POLICY.replace("lanes:", "estimation: {read_body: always}\nlanes:")
+
+
+@pytest.mark.parametrize(("kind", "source"),
+                         [("big", "reported"), ("split", "reported"), ("garbage", "estimated")])
+def test_bodies_whose_usage_is_hard_to_read_pass_whole_and_are_charged(
+        make_env: Callable[..., Env], kind: str, source: str) -> None:
+    env = make_env(BUDGET_POLICY)
+    _content_type, pieces = USAGE_BODIES[kind]
+    headers = {"authorization": f"Bearer {DEMO_KEYS['acme']}", "x-test-usage-body": kind}
+    response = httpx.post(env.url + "/v1/chat/completions", json={"model": "m", "stream": True},
+                          headers=headers, timeout=30)
+    assert response.status_code == 200
+    # Not a byte changed, nothing buffered away; the split usage event (extproc asked for it: the
+    # body says stream) is not removed, as the guide says, but its count is read.
+    assert response.content == b"".join(pieces)
+    counter = {"reported": "extproc_ratelimit_usage_reports_total",
+               "estimated": "extproc_ratelimit_usage_estimates_total"}[source]
+    deadline = time.monotonic() + 10
+    while env.metric(counter) < 1:
+        assert time.monotonic() < deadline, f"no {source} charge"
+        time.sleep(0.05)
+    if source == "reported":
+        assert env.metric("extproc_ratelimit_usage_tokens_total") == {"big": 99, "split": 7}[kind]
+
+
+WORKLOAD = """
+model: sim-test
+arrivals: {process: poisson, rate: 6}
+lengths: {kind: fixed, output: 12, prompt_mean: 40}
+classes:
+  - {name: interactive, tenants: {acme: 1}, keys: {acme: sk-demo-acme}, stream: true}
+client: {kind: none, timeout: 30s}
+"""
+
+
+def test_sim_load_clients_that_do_not_ask_for_usage_are_charged_what_the_backend_reported(
+        gateway: Usage, tmp_path: Path) -> None:
+    spec = tmp_path / "workload.yaml"
+    spec.write_text(WORKLOAD)
+    out = tmp_path / "load.json"
+    trace = tmp_path / "sent.jsonl"
+    result = subprocess.run([sys.executable, "-m", "extproc", "sim", "load", "--target", gateway.url,
+                             "--workload", str(spec), "--duration", "2", "--no-usage", "--json", str(out),
+                             "--write-trace", str(trace)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    sent = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert sent
+    assert not any(r["include_usage"] for r in sent)
+    ok = sum(1 for r in json.loads(out.read_text())["results"] if r["status"] == 200)
+    assert ok == len(sent) >= 3
+    gateway.wait_for(lambda: gateway.reported()[0] == ok, "a usage report per request")
+    # 12 tokens generated and the backend's count of the prompt, for every one of them.
+    assert gateway.reported()[1] >= ok * 12
+    assert gateway.estimated() == (0, 0)
