@@ -276,6 +276,12 @@ class RateLimitMetrics:
             "extproc_ratelimit_usage_estimated_tokens", "Tokens charged to tenant budgets by estimate.",
             registry=registry,
         )
+        self.usage_unknown = Counter(
+            "extproc_ratelimit_usage_unknown", "Finished responses charged nothing: no usage report and no "
+            "admission by ext_proc (shed or refused first; or a proxy config without the usage filter or "
+            "ext_proc's metadata_options).",
+            registry=registry,
+        )
         self.ignored = Counter(
             "extproc_ratelimit_ignored", "Descriptors answered OK without a decision, by kind "
             "(unknown_domain, unknown_descriptor): a sign of a mismatched Envoy config.",

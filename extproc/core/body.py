@@ -37,9 +37,12 @@ class BodyFacts:
     note: str = ""
     """Why the body could not be fully read ("" when it was)."""
     stream: bool = False
-    """The request asks for a streamed answer (``"stream": true``; known only from a whole body)."""
+    """The request asks for a streamed answer (``"stream": true``, or anything the model server
+    reads as true; known only from a whole body)."""
     usage_asked: bool = False
-    """The client asked for the usage event itself (``stream_options.include_usage: true``)."""
+    """The client asked for the usage event itself (``stream_options.include_usage`` true)."""
+    stream_options: bool = False
+    """The body has a ``stream_options`` key (whatever its value, however its name was escaped)."""
 
 
 def _text_len(value: Any) -> int:
@@ -57,6 +60,18 @@ def _text_len(value: Any) -> int:
             stack.append(item.get("text"))
             stack.append(item.get("content"))
     return total
+
+
+_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
+
+
+def lax_true(value: object) -> bool:
+    """Whether the model server's request model (pydantic, lax) reads ``value`` as true."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int | float):
+        return value == 1
+    return isinstance(value, str) and value.strip().lower() in _TRUE
 
 
 def _from_json(doc: dict[str, Any]) -> BodyFacts:
@@ -83,8 +98,9 @@ def _from_json(doc: dict[str, Any]) -> BodyFacts:
         max_tokens=max_tokens,
         prompt_chars=chars,
         prompt_tokens=prompt_tokens,
-        stream=doc.get("stream") is True,
-        usage_asked=isinstance(options, dict) and options.get("include_usage") is True,
+        stream=lax_true(doc.get("stream")),
+        usage_asked=isinstance(options, dict) and lax_true(options.get("include_usage")),
+        stream_options="stream_options" in doc,
     )
 
 

@@ -25,6 +25,7 @@ from extproc.core.body import BodyFacts, read_request_body
 from extproc.core.classify import HEADER_PREFIX, Classification, Classifier, RequestFacts
 from extproc.core.estimate import Estimator, Job
 from extproc.core.retry_budget import is_retry
+from extproc.core.usage import FILTER_HEADER
 from extproc.policy.schema import Policy
 
 _NO_BODY = BodyFacts()
@@ -96,7 +97,8 @@ class Intake:
              has_body: bool = True) -> Head:
         """The request headers (lower-case names; a repeated header's values joined with commas,
         its name in ``repeated``), and whether a body follows."""
-        stripped = tuple(k for k in headers if k.startswith(HEADER_PREFIX) and k not in self._trusted)
+        stripped = tuple(k for k in headers if k.startswith(HEADER_PREFIX) and k not in self._trusted
+                         and k != FILTER_HEADER)
         if stripped:
             headers = {k: v for k, v in headers.items() if k not in stripped}
         twice = next((k for k in repeated if k in self._trusted), None)

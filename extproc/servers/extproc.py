@@ -43,7 +43,7 @@ from extproc.core.decision import Outcome, Reason, Rejection, reject
 from extproc.core.intake import Head, Intake
 from extproc.core.redaction import Redactor
 from extproc.core.saturation import Effect
-from extproc.core.usage import NAMESPACE, admission_metadata, ask_for_usage
+from extproc.core.usage import FILTER_HEADER, NAMESPACE, admission_metadata, ask_for_usage, plan
 
 #: Envoy must never time out a hold before extproc answers it: the override carries this margin.
 HOLD_MARGIN_S = 2.0
@@ -192,9 +192,8 @@ class _Request:
     """One HTTP request's life on one ext_proc stream."""
 
     # One of these is made per request: slots spare it an instance __dict__.
-    __slots__ = ("arrival", "body", "client", "cls", "head", "headers", "model", "outcome", "p", "reason",
-                 "remove", "request_id", "saturation", "shadow", "status", "ticket", "usage_body",
-                 "waiting_body")
+    __slots__ = ("arrival", "body", "client", "cls", "head", "headers", "model", "outcome", "p", "raw_body",
+                 "reason", "remove", "request_id", "saturation", "shadow", "status", "ticket", "waiting_body")
 
     def __init__(self, processor: ExternalProcessor) -> None:
         self.p = processor
@@ -222,9 +221,9 @@ class _Request:
         self.client: str | None = None
         #: Whether the body was asked for and has not come yet.
         self.waiting_body = False
-        #: The body with ``include_usage`` set, sent upstream if the request is admitted (None:
-        #: unchanged). The model server then reports the stream's tokens; Envoy strips that event.
-        self.usage_body: bytes | None = None
+        #: The first body chunk of a stream that did not ask for its usage: rewritten to ask for it
+        #: if the request is admitted (core/usage.py plan); the proxy strips that event again.
+        self.raw_body: bytes | None = None
 
     def on_headers(self, message: pb.HttpHeaders, client: str | None) -> pb.ProcessingResponse | None:
         """The answer to the request headers, or None when the request is to be decided on them."""
@@ -271,9 +270,8 @@ class _Request:
             # Later chunks (not expected with BUFFERED_PARTIAL) pass untouched.
             return _BODY_PASSTHROUGH
         body = self.body = self.p.intake.read(head, message.body, message.end_of_stream)
-        if (body.stream and not body.usage_asked and self.p.controller.policy.ratelimit.asks_usage
-                and head.headers.get("content-encoding", "identity").strip().lower() == "identity"):
-            self.usage_body = ask_for_usage(message.body, body)
+        if body.stream and not body.usage_asked:
+            self.raw_body = message.body
         return None
 
     def decide(self) -> Decision:
@@ -317,16 +315,33 @@ class _Request:
             # Lets the backend's own logs show what enforcing would have done.
             would = decision.shadow.value + (f"; reason={decision.reason.value}" if decision.reason else "")
             headers.append(("x-extproc-shadow", would))
-        _continue(common, self.remove, headers)
-        ratelimit = self.p.controller.policy.ratelimit
-        if ratelimit.mode != "off" and ratelimit.budgets.tokens:
-            # What the edge charges the tenant when the response ends without reporting its usage.
-            admitted = self.arrival + t.queue_wait
-            meta = admission_metadata(t.job.prompt_tokens, t.job.output_tokens, t.predicted, admitted,
-                                      strip=self.usage_body is not None and phase == "request_body")
-            response.dynamic_metadata.update({NAMESPACE: meta})
-            if self.usage_body is not None and phase == "request_body":
-                common.body_mutation.body = self.usage_body
+        head = self.head
+        remove = self.remove
+        if head is not None and FILTER_HEADER in head.headers:
+            remove = [*remove, FILTER_HEADER]  # the proxy's word to extproc, not the backend's business
+        usage = plan(self.p.controller.policy.ratelimit, t.tenant, head.path, head.headers,
+                     self.body) if head is not None else None
+        if usage is None or not usage.record:
+            _continue(common, remove, headers)
+            return response
+        rewritten = None
+        if usage.ask and phase == "request_body" and self.raw_body is not None and self.body is not None:
+            try:
+                rewritten = ask_for_usage(self.raw_body, self.body)
+            except Exception:  # client input: never let it end the stream (the request goes on as sent)
+                self.p.log.warning("could not ask for usage", request_id=self.request_id, exc_info=True)
+        if rewritten is not None:
+            common.body_mutation.body = rewritten
+            # A compressed answer could not be read nor stripped: ask for it plain.
+            remove = [*remove, "accept-encoding"]
+        _continue(common, remove, headers)
+        # What the edge charges the tenant when the response ends (an estimate from this if the
+        # response reports no usage), and whether the proxy removes the usage event asked for here.
+        body = self.body
+        meta = admission_metadata(t.job.prompt_tokens, t.job.output_tokens,
+                                  body.max_tokens if body is not None else None, t.predicted, time.time(),
+                                  strip=rewritten is not None)
+        response.dynamic_metadata.update({NAMESPACE: meta})
         return response
 
     def _reject(self, decision: Decision) -> pb.ProcessingResponse:

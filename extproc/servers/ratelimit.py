@@ -176,6 +176,8 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
         elif charge.source == "estimated":
             self.metrics.usage_estimates.inc()
             self.metrics.usage_estimated_tokens.inc(charge.tokens)
+        else:
+            self.metrics.usage_unknown.inc()
         if charge.tokens > 0:
             self.edge.charge(config, entries, charge.tokens, now)
 

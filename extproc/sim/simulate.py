@@ -41,12 +41,13 @@ from pathlib import Path
 from typing import Any
 
 from extproc.core.admission import Decision, Ticket
+from extproc.core.body import BodyFacts
 from extproc.core.decision import Outcome, Reason, reject
 from extproc.core.edge import Edge, SchedulerPressure
 from extproc.core.gatekeeper import Gatekeeper
 from extproc.core.intake import Intake
 from extproc.core.saturation import Reading
-from extproc.core.usage import USAGE, admission_metadata, charged
+from extproc.core.usage import FILTER_HEADER, USAGE, admission_metadata, charged, plan
 from extproc.policy.schema import Policy
 from extproc.sim import traces
 from extproc.sim.engine import Engine, Finished, FirstToken, RequestRejected, capacity_schedule_arg
@@ -308,20 +309,23 @@ class Simulator:
             assert edge is not None
             config = policy.ratelimit
             ticket = st.ticket
-            if config.mode == "off" or not config.budgets.tokens or ticket is None:
+            if ticket is None or ticket.admitted_at is None:
                 return
-            if ticket.admitted_at is None:
+            request = st.request
+            # Behind the shipped proxy, which says it strips the event ext_proc asks for.
+            facts = BodyFacts(stream=request.stream, usage_asked=request.include_usage)
+            how = plan(config, ticket.tenant, request.path, {FILTER_HEADER: "1"}, facts)
+            if not how.record:
                 return
-            headers = {**st.request.headers, **st.request.gateway}
+            headers = {**request.headers, **request.gateway}
             entries = {"generic_key": config.usage_descriptor,
                        **{k.lower(): v for k, v in headers.items() if k.lower() in policy.trusted_headers}}
-            request = st.request
-            if finished and (not request.stream or request.include_usage or config.asks_usage):
+            if finished and (not request.stream or request.include_usage or how.ask):
                 said = {USAGE: str(request.prompt_tokens + request.output_tokens)}
             else:
                 job = ticket.job
-                said = admission_metadata(job.prompt_tokens, job.output_tokens, ticket.predicted,
-                                          ticket.admitted_at, strip=False)
+                said = admission_metadata(job.prompt_tokens, job.output_tokens, request.output_tokens,
+                                          ticket.predicted, ticket.admitted_at, strip=False)
             charge = charged(said, now)
             if charge.tokens > 0:
                 edge.charge(config, entries, charge.tokens, now)

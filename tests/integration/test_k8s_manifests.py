@@ -962,7 +962,12 @@ def test_health_routes_skip_both_filters_and_inference_routes_are_shed_and_never
     assert set(patched) == {"extproc-health-bypass", "default"}
     assert patched["extproc-health-bypass"]["match"] == {"path": "/health"}
     assert patched["extproc-health-bypass"]["typed_per_filter_config"] == health
-    assert patched["default"] == {"typed_per_filter_config": shed}
+    assert patched["default"] == {"typed_per_filter_config": shed,
+                                  "request_headers_to_remove": ["x-extproc-usage-filter"]}
+    # The proxy's word to extproc never reaches a backend, on any route patched here.
+    for overlay in ("gateway", "sidecar"):
+        for name, value in route_patches(one(rendered[overlay], "EnvoyFilter")).items():
+            assert value["request_headers_to_remove"] == ["x-extproc-usage-filter"], (overlay, name)
 
 
 def _static_cluster(name: str, port: int, *, http2: bool = False) -> Doc:

@@ -22,7 +22,7 @@ import pytest
 
 from extproc.localstack import Process, Stack, envoy_config, free_port, wait_http
 from tests.integration.conftest import DEMO_KEYS, Env, metric
-from tests.integration.upstream import USAGE_BODIES
+from tests.integration.upstream import USAGE_BODIES, usage_body
 
 pytestmark = pytest.mark.envoy
 
@@ -147,13 +147,15 @@ def test_a_stream_cut_short_is_charged_an_estimate_of_what_it_used(gateway: Usag
     with httpx.Client(timeout=30) as client, client.stream("POST", gateway.url + "/v1/chat/completions",
                                                            json=body, headers=headers) as response:
         assert response.status_code == 200
-        for line in response.iter_lines():
-            if line.startswith("data: {"):
-                break  # the client leaves after its first token
+        started = time.monotonic()
+        for _ in response.iter_lines():
+            if time.monotonic() - started > 1.0:
+                break  # the client leaves a second in, long before the 400th token
     gateway.wait_for(lambda: gateway.estimated()[0] == 1, "the estimate")
     _, tokens = gateway.estimated()
-    # At least the prompt (~36 tokens by extproc's 4 characters a token), far less than all 400.
-    assert 30 <= tokens < 36 + 400
+    # The prompt (36 tokens at extproc's 4 characters a token), and the part of the 400 sized at
+    # 6 s (15 ms a token, the policy's default) that a second or so of running stands for.
+    assert 36 + 400 * 0.8 / 6 <= tokens <= 36 + 400 * 3 / 6
     assert gateway.reported() == (0, 0)
 
 
@@ -180,27 +182,73 @@ def test_streams_run_on_without_their_usage_event_when_extproc_dies_mid_way(gate
 BUDGET_POLICY = POLICY.replace("lanes:", "estimation: {read_body: always}\nlanes:")
 
 
-@pytest.mark.parametrize(("kind", "source"),
-                         [("big", "reported"), ("split", "reported"), ("garbage", "estimated")])
+def _charged(env: Env, counter: str, at_least: float) -> None:
+    deadline = time.monotonic() + 10
+    while env.metric(counter) < at_least:
+        assert time.monotonic() < deadline, f"{counter} never reached {at_least}"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize(("kind", "source"), [("big", "reported"), ("garbage", "estimated")])
 def test_bodies_whose_usage_is_hard_to_read_pass_whole_and_are_charged(
         make_env: Callable[..., Env], kind: str, source: str) -> None:
     env = make_env(BUDGET_POLICY)
-    _content_type, pieces = USAGE_BODIES[kind]
+    _, pieces = USAGE_BODIES[kind]
     headers = {"authorization": f"Bearer {DEMO_KEYS['acme']}", "x-test-usage-body": kind}
     response = httpx.post(env.url + "/v1/chat/completions", json={"model": "m", "stream": True},
                           headers=headers, timeout=30)
     assert response.status_code == 200
-    # Not a byte changed, nothing buffered away; the split usage event (extproc asked for it: the
-    # body says stream) is not removed, as the guide says, but its count is read.
-    assert response.content == b"".join(pieces)
+    assert response.content == b"".join(pieces)  # not a byte changed, nothing buffered away
     counter = {"reported": "extproc_ratelimit_usage_reports_total",
                "estimated": "extproc_ratelimit_usage_estimates_total"}[source]
-    deadline = time.monotonic() + 10
-    while env.metric(counter) < 1:
-        assert time.monotonic() < deadline, f"no {source} charge"
-        time.sleep(0.05)
+    _charged(env, counter, 1)
     if source == "reported":
-        assert env.metric("extproc_ratelimit_usage_tokens_total") == {"big": 99, "split": 7}[kind]
+        assert env.metric("extproc_ratelimit_usage_tokens_total") == 99
+
+
+def test_a_usage_event_cut_anywhere_across_two_reads_is_counted_and_removed(
+        make_env: Callable[..., Env]) -> None:
+    env = make_env(BUDGET_POLICY)
+    headers = {"authorization": f"Bearer {DEMO_KEYS['acme']}"}
+    _, whole = usage_body("split:1")
+    usage_event = whole[1] + whole[2]
+    # Cuts at its start, inside "choices", and at every byte from just before "total_tokens" to
+    # past its count: a count cut anywhere is still read; the event is still removed.
+    count = usage_event.index(b'"total_tokens"')
+    cuts = [1, 20, usage_event.index(b"[]") + 1, *range(count - 1, usage_event.index(b"7}}") + 2)]
+    for cut in cuts:
+        response = httpx.post(env.url + "/v1/chat/completions", json={"model": "m", "stream": True},
+                              headers={**headers, "x-test-usage-body": f"split:{cut}"}, timeout=30)
+        assert response.status_code == 200
+        # extproc asked for usage on the client's behalf (its body says stream): the event is gone.
+        assert response.content == whole[0] + whole[3], cut
+    _charged(env, "extproc_ratelimit_usage_reports_total", len(cuts))
+    assert env.metric("extproc_ratelimit_usage_tokens_total") == 7 * len(cuts)
+    assert env.metric("extproc_ratelimit_usage_estimates_total") == 0
+
+
+def test_a_crlf_stream_loses_its_usage_event_too(make_env: Callable[..., Env]) -> None:
+    env = make_env(BUDGET_POLICY)
+    headers = {"authorization": f"Bearer {DEMO_KEYS['acme']}", "x-test-usage-body": "crlf"}
+    response = httpx.post(env.url + "/v1/chat/completions", json={"model": "m", "stream": True},
+                          headers=headers, timeout=30)
+    _, pieces = USAGE_BODIES["crlf"]
+    assert response.content == pieces[0] + pieces[2]
+    _charged(env, "extproc_ratelimit_usage_reports_total", 1)
+
+
+def test_an_error_answer_to_a_rewritten_stream_reaches_its_client_whole(make_env: Callable[..., Env]) -> None:
+    # The model server refuses the request with a JSON error (no event stream): nothing is held back.
+    env = make_env(BUDGET_POLICY)
+    headers = {"authorization": f"Bearer {DEMO_KEYS['acme']}", "x-test-status": "400"}
+    response = httpx.post(env.url + "/v1/chat/completions", json={"model": "m", "stream": True},
+                          headers=headers, timeout=30)
+    assert response.status_code == 400
+    echoed = response.json()
+    assert echoed["path"] == "/v1/chat/completions"
+    # The upstream got the rewritten request, and not the proxy's word to extproc.
+    assert "x-extproc-usage-filter" not in echoed["headers"]
+    assert "accept-encoding" not in echoed["headers"]
 
 
 WORKLOAD = """

@@ -22,12 +22,22 @@ _TOKEN = b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n
 USAGE_BODIES: dict[str, tuple[str, list[bytes]]] = {
     # A 3 MB JSON answer, its usage at the very end (a proxy that buffered it would refuse it).
     "big": ("application/json", [b'{"pad":"' + b"x" * 3_000_000 + b'","usage":{"total_tokens":99}}']),
-    # The usage event cut in the middle of "total_tokens" by two writes: counted, not removed.
-    "split": ("text/event-stream", [_TOKEN, _USAGE[:60], _USAGE[60:], b"data: [DONE]\n\n"]),
+    # A stream whose events end in CRLF pairs (sse-starlette's default).
+    "crlf": ("text/event-stream", [_TOKEN.replace(b"\n", b"\r\n"), _USAGE.replace(b"\n", b"\r\n"),
+                                   b"data: [DONE]\r\n\r\n"]),
     # Garbage: a count that is not a number, binary junk, a 200 kB event without a delimiter.
     "garbage": ("text/event-stream", [b'data: {"usage":{"total_tokens":"lots"}}\n\n', bytes(range(256)),
                                       b"data: " + b"total_tokens" * 20_000, b"\n\ndata: [DONE]\n\n"]),
 }
+
+
+def usage_body(kind: str) -> tuple[str, list[bytes]]:
+    """``USAGE_BODIES[kind]``, or for ``split:N`` a stream whose usage event the upstream writes in
+    two pieces, cut N bytes into it."""
+    if kind.startswith("split:"):
+        cut = int(kind.partition(":")[2])
+        return "text/event-stream", [_TOKEN, _USAGE[:cut], _USAGE[cut:], b"data: [DONE]\n\n"]
+    return USAGE_BODIES[kind]
 
 
 async def echo(request: web.Request) -> web.StreamResponse:
@@ -47,9 +57,9 @@ async def echo(request: web.Request) -> web.StreamResponse:
             assert request.transport is not None
             request.transport.abort()
             return web.Response(status=500)
-        kind = request.headers.get("x-test-usage-body")
-        if kind in USAGE_BODIES:
-            content_type, pieces = USAGE_BODIES[kind]
+        kind = request.headers.get("x-test-usage-body", "")
+        if kind in USAGE_BODIES or kind.startswith("split:"):
+            content_type, pieces = usage_body(kind)
             response = web.StreamResponse(headers={"content-type": content_type})
             await response.prepare(request)
             for piece in pieces:

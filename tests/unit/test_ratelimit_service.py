@@ -560,6 +560,7 @@ def test_a_response_extproc_never_admitted_charges_nothing() -> None:
     rig = Rig(budgets(tokens=1000, per="minute"))
     rig.ask(finished(x_tenant_id="acme"))
     assert rig.sample("extproc_ratelimit_usage_estimates_total") == 0
+    assert rig.sample("extproc_ratelimit_usage_unknown_total") == 1
     assert len(rig.service.tokens) == 0
 
 
