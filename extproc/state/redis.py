@@ -58,9 +58,11 @@ from extproc.state import (
     LEASE_TTL,
     QUEUE_TTL,
     RANK_TOLERANCE,
+    BucketOp,
     FreedCallback,
     GlobalView,
     LedgerUnavailable,
+    Level,
     Limits,
     Verdict,
     summary_changes,
@@ -70,8 +72,11 @@ from extproc.state import (
 _SENTINEL_PORT = 26379
 _T = TypeVar("_T")
 #: Scripts of the decision path, sent in shared pipelines (the heartbeat and the view go alone).
-_BATCHED = frozenset({"acquire", "release", "queue"})
+_BATCHED = frozenset({"acquire", "release", "queue", "bucket"})
 _MAX_BATCH = 256
+#: The longest a tenant bucket below full lives unused (ms): bounds what a debt-ridden tenant that
+#: never comes back costs (its bucket then comes back full). Seven days.
+_BUCKET_IDLE_MS = str(7 * 86_400_000)
 
 
 @dataclass(slots=True)
@@ -180,6 +185,7 @@ class RedisLedger:
         self._leader_key = f"{tag}:limit:leader"
         self._limit_key = f"{tag}:limit"
         self._done_key = f"{tag}:done"
+        self._retry_key = f"{tag}:retry"
         self.channel = f"{tag}:freed"
         self._ttl_ms = str(max(int(ttl * 1000), 1))
         self._queue_ttl_ms = str(max(int(queue_ttl * 1000), 1))
@@ -368,7 +374,7 @@ class RedisLedger:
         background tasks keep trying)."""
         self._loop = asyncio.get_running_loop()
         self._client = self._connect(self.timeout, self.pool_size)
-        for name in ("acquire", "release", "heartbeat", "queue", "view", "limit"):
+        for name in ("acquire", "release", "heartbeat", "queue", "view", "limit", "bucket", "retry"):
             self._scripts[name] = self._client.register_script(_script(f"{name}.lua"))
         self._tasks.append(asyncio.create_task(self._listen(), name=f"ledger-listen-{self.replica}"))
         if self._renew:
@@ -597,6 +603,39 @@ class RedisLedger:
         leads, limit = await self._run("limit", [self._leader_key, self._limit_key],
                                        [self.replica, str(proposal), self._queue_ttl_ms])
         return int(limit), bool(leads)
+
+    # -- fleet-wide budgets -------------------------------------------------------------------
+
+    #: Bare, an outage raises (``FallbackLedger`` decides what then).
+    fail_open = False
+    fleet_size = 1
+
+
+    def budget_key(self, name: str) -> str:
+        """The Redis key of the bucket named ``name`` (``<kind>:<tenant>``)."""
+        return f"{self._tag}:budget:{name}"
+
+    async def buckets(self, ops: Sequence[BucketOp], now: float | None = None) -> list[Level]:
+        """``bucket.lua``: the operations in order, in one atomic script (one round trip, shared
+        with other decisions when every connection is busy)."""
+        if not ops:
+            return []
+        args: list[str | bytes] = ["" if now is None else repr(now)]
+        for item in ops:
+            args += [item.op, repr(item.per_second), repr(item.burst), repr(item.amount), _BUCKET_IDLE_MS]
+        answer = await self._run("bucket", [self.budget_key(item.key) for item in ops], args)
+        try:
+            return [Level(bool(int(allowed)), float(level)) for allowed, level in answer]
+        except (TypeError, ValueError) as exc:
+            raise LedgerUnavailable(f"redis {self.target.describe()}: bad bucket answer {answer!r}") from exc
+
+    async def retry_counts(self, deposits: int, withdrawals: int, window_s: float, slots: int,
+                           now_ms: int | None = None) -> tuple[int, int]:
+        width = max(int(window_s * 1000 / slots), 1)
+        answer = await self._run("retry", [self._retry_key], [
+            self.replica, str(width), str(slots), str(deposits), str(withdrawals),
+            "" if now_ms is None else str(now_ms)])
+        return int(answer[0]), int(answer[1])
 
     async def view(self) -> GlobalView:
         remote = {str(name) for name in await self._io(lambda client: client.smembers(self._lanes_key))}
