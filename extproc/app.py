@@ -78,7 +78,9 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
         except ValueError as exc:
             raise StartupError(f"cannot use the store {settings.store!r}: {exc}") from None
         await ledger.start()
-    controller = Controller(policy, metrics, rng=rng, ledger=ledger, budgets=budget_store(ledger))
+    # Tenant budgets, the retry budget and fair shares: the fleet's, through the store (or each replica's).
+    budgets = budget_store(ledger) if settings.store_share_fleet else None
+    controller = Controller(policy, metrics, rng=rng, ledger=ledger, budgets=budgets)
     processor = ExternalProcessor(controller, log_key=settings.log_key)
     controller.on_reconfigure.append(lambda _: processor.reconfigure())
     registry.register(SaturationCollector(controller.saturation, controller.now))
@@ -106,7 +108,7 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
     ratelimit = RateLimitService(ControllerPressure(controller), edge_metrics,
                                  lambda: controller.policy.ratelimit, rng=rng,
                                  permit_retry=controller.permit_retry, log_key=settings.log_key,
-                                 store=budget_store(ledger))
+                                 store=budgets)
     add_ratelimit_service(ratelimit, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -71,6 +71,8 @@ class Controller:
         self.ledger = ledger
         #: Where the fleet's retry budget is counted (None: this replica's budget is its own).
         self.budgets = budgets
+        #: Work (predicted seconds) this replica served since it last told the store, by lane and tenant.
+        self._served: dict[tuple[str, str], float] = {}
         self._limits = Limits.of(self.gate.policy)
         self._leased: dict[int, Ticket] = {}
         self._lease_tasks: set[asyncio.Task[None]] = set()
@@ -278,6 +280,9 @@ class Controller:
                 self._spawn(self._give_back(ticket))
             return decision
         if verdict:
+            if self.budgets is not None:
+                key = (lane, ticket.tenant)
+                self._served[key] = self._served.get(key, 0.0) + ticket.predicted
             self._leased[ticket.id] = ticket
             self._count_lease(lane, 1)
             self._backoff.granted(lane)
@@ -358,6 +363,7 @@ class Controller:
         view = await ledger.view()
         self.view = view
         await self._sync_retry_budget()
+        await self._sync_served()
         mine: dict[str, int] = {}
         for ticket in self._leased.values():
             mine[ticket.lane] = mine.get(ticket.lane, 0) + 1
@@ -379,6 +385,19 @@ class Controller:
             if due:
                 self._settle(scheduler.unblock(now, due))
         self._update_idle()
+
+    async def _sync_served(self) -> None:
+        """Tell the fleet's store the work this replica served; charge the fair queues what the other
+        replicas served (so tenants' shares follow their weights fleet-wide)."""
+        store = self.budgets
+        if store is None:
+            return
+        served, self._served = self._served, {}
+        try:
+            others = await store.served(served)
+        except LedgerUnavailable:
+            return  # each replica is fair on its own meanwhile
+        self.scheduler.charge_others(others)
 
     async def _sync_retry_budget(self) -> None:
         """Tell the fleet's store this replica's new retry-budget counts; read the others'."""

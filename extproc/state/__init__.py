@@ -311,6 +311,11 @@ class BudgetStore(Protocol):
         """Add this replica's new deposits and withdrawals; the *other* replicas' counts in the window."""
         ...
 
+    async def served(self, work: Mapping[tuple[str, str], float]) -> dict[tuple[str, str], float]:
+        """Add the work this replica served since its last call (predicted seconds by lane and
+        tenant); the work the *other* replicas served meanwhile (the fair queues' shared part)."""
+        ...
+
 
 FreedCallback = Callable[[str], None]
 #: The lane name of a wake-up for every lane.

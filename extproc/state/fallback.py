@@ -268,6 +268,11 @@ class FallbackLedger:
             raise LedgerUnavailable(self.reason or "redis unavailable")
         return await self.primary.retry_counts(deposits, withdrawals, window_s, slots)
 
+    async def served(self, work: Mapping[tuple[str, str], float]) -> dict[tuple[str, str], float]:
+        if self.degraded:
+            raise LedgerUnavailable(self.reason or "redis unavailable")
+        return await self.primary.served(work)
+
     def alone(self, limits: Limits) -> Limits | None:
         if not self.degraded:
             return None

@@ -77,6 +77,10 @@ _MAX_BATCH = 256
 #: The longest a tenant bucket below full lives unused (ms): bounds what a debt-ridden tenant that
 #: never comes back costs (its bucket then comes back full). Seven days.
 _BUCKET_IDLE_MS = str(7 * 86_400_000)
+#: The fleet's served-work totals live this long after the last replica's call (ms), and hold at
+#: most this many lane/tenant fields.
+_SERVED_TTL_MS = str(3_600_000)
+_SERVED_MAX_FIELDS = 100_000
 
 
 @dataclass(slots=True)
@@ -186,6 +190,9 @@ class RedisLedger:
         self._limit_key = f"{tag}:limit"
         self._done_key = f"{tag}:done"
         self._retry_key = f"{tag}:retry"
+        self._served_key = f"{tag}:served"
+        #: The fleet's served totals as last read (field -> seconds), to tell the others' part.
+        self._served_seen: dict[str, float] = {}
         self.channel = f"{tag}:freed"
         self._ttl_ms = str(max(int(ttl * 1000), 1))
         self._queue_ttl_ms = str(max(int(queue_ttl * 1000), 1))
@@ -374,7 +381,8 @@ class RedisLedger:
         background tasks keep trying)."""
         self._loop = asyncio.get_running_loop()
         self._client = self._connect(self.timeout, self.pool_size)
-        for name in ("acquire", "release", "heartbeat", "queue", "view", "limit", "bucket", "retry"):
+        for name in ("acquire", "release", "heartbeat", "queue", "view", "limit", "bucket", "retry",
+                     "served"):
             self._scripts[name] = self._client.register_script(_script(f"{name}.lua"))
         self._tasks.append(asyncio.create_task(self._listen(), name=f"ledger-listen-{self.replica}"))
         if self._renew:
@@ -636,6 +644,28 @@ class RedisLedger:
             self.replica, str(width), str(slots), str(deposits), str(withdrawals),
             "" if now_ms is None else str(now_ms)])
         return int(answer[0]), int(answer[1])
+
+    async def served(self, work: Mapping[tuple[str, str], float]) -> dict[tuple[str, str], float]:
+        fields = {f"{lane}|{tenant}": seconds for (lane, tenant), seconds in work.items()
+                  if seconds > 0}
+        args: list[str | bytes] = [_SERVED_TTL_MS, str(_SERVED_MAX_FIELDS)]
+        for field, seconds in fields.items():
+            args += [field, repr(seconds)]
+        flat = await self._run("served", [self._served_key], args)
+        totals: dict[str, float] = {}
+        for field, value in zip(flat[::2], flat[1::2], strict=True):
+            with contextlib.suppress(TypeError, ValueError):
+                totals[str(field)] = float(value)
+        seen, self._served_seen = self._served_seen, totals
+        others: dict[tuple[str, str], float] = {}
+        for field, total in totals.items():
+            if field not in seen:
+                continue  # new to this replica: a baseline, not work to charge
+            delta = total - seen[field] - fields.get(field, 0.0)
+            lane, sep, tenant = field.partition("|")
+            if delta > 1e-9 and sep:
+                others[(lane, tenant)] = delta
+        return others
 
     async def view(self) -> GlobalView:
         remote = {str(name) for name in await self._io(lambda client: client.smembers(self._lanes_key))}
