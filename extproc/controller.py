@@ -363,7 +363,7 @@ class Controller:
         view = await ledger.view()
         self.view = view
         await self._sync_retry_budget()
-        await self._sync_served()
+        await self._sync_served([(lane, tenant) for lane, per in tenants.items() for tenant in per])
         mine: dict[str, int] = {}
         for ticket in self._leased.values():
             mine[ticket.lane] = mine.get(ticket.lane, 0) + 1
@@ -386,7 +386,7 @@ class Controller:
                 self._settle(scheduler.unblock(now, due))
         self._update_idle()
 
-    async def _sync_served(self) -> None:
+    async def _sync_served(self, queued: list[tuple[str, str]]) -> None:
         """Tell the fleet's store the work this replica served; charge the fair queues what the other
         replicas served (so tenants' shares follow their weights fleet-wide)."""
         store = self.budgets
@@ -394,7 +394,7 @@ class Controller:
             return
         served, self._served = self._served, {}
         try:
-            others = await store.served(served)
+            others = await store.served(served, queued)
         except LedgerUnavailable:
             return  # each replica is fair on its own meanwhile
         self.scheduler.charge_others(others)

@@ -311,9 +311,12 @@ class BudgetStore(Protocol):
         """Add this replica's new deposits and withdrawals; the *other* replicas' counts in the window."""
         ...
 
-    async def served(self, work: Mapping[tuple[str, str], float]) -> dict[tuple[str, str], float]:
+    async def served(self, work: Mapping[tuple[str, str], float],
+                     queued: Iterable[tuple[str, str]] = ()) -> dict[tuple[str, str], float]:
         """Add the work this replica served since its last call (predicted seconds by lane and
-        tenant); the work the *other* replicas served meanwhile (the fair queues' shared part)."""
+        tenant); the work the *other* replicas served meanwhile for the ``queued`` (lane, tenant)
+        pairs (those this replica has waiting: the fair queues' shared part). A pair read for the
+        first time, or again after a gap, is a baseline: nothing to charge yet."""
         ...
 
 

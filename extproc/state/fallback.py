@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -268,10 +268,11 @@ class FallbackLedger:
             raise LedgerUnavailable(self.reason or "redis unavailable")
         return await self.primary.retry_counts(deposits, withdrawals, window_s, slots)
 
-    async def served(self, work: Mapping[tuple[str, str], float]) -> dict[tuple[str, str], float]:
+    async def served(self, work: Mapping[tuple[str, str], float],
+                     queued: Iterable[tuple[str, str]] = ()) -> dict[tuple[str, str], float]:
         if self.degraded:
             raise LedgerUnavailable(self.reason or "redis unavailable")
-        return await self.primary.served(work)
+        return await self.primary.served(work, queued)
 
     def alone(self, limits: Limits) -> Limits | None:
         if not self.degraded:

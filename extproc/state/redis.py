@@ -40,7 +40,7 @@ import asyncio
 import contextlib
 import json
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, TypeVar
@@ -645,22 +645,25 @@ class RedisLedger:
             "" if now_ms is None else str(now_ms)])
         return int(answer[0]), int(answer[1])
 
-    async def served(self, work: Mapping[tuple[str, str], float]) -> dict[tuple[str, str], float]:
+    async def served(self, work: Mapping[tuple[str, str], float],
+                     queued: Iterable[tuple[str, str]] = ()) -> dict[tuple[str, str], float]:
         fields = {f"{lane}|{tenant}": seconds for (lane, tenant), seconds in work.items()
                   if seconds > 0}
-        args: list[str | bytes] = [_SERVED_TTL_MS, str(_SERVED_MAX_FIELDS)]
+        wanted = sorted({f"{lane}|{tenant}" for lane, tenant in queued})
+        args: list[str | bytes] = [_SERVED_TTL_MS, str(_SERVED_MAX_FIELDS), str(len(fields))]
         for field, seconds in fields.items():
             args += [field, repr(seconds)]
-        flat = await self._run("served", [self._served_key], args)
+        args += wanted
+        values = await self._run("served", [self._served_key], args)
         totals: dict[str, float] = {}
-        for field, value in zip(flat[::2], flat[1::2], strict=True):
+        for field, value in zip(wanted, values, strict=True):
             with contextlib.suppress(TypeError, ValueError):
-                totals[str(field)] = float(value)
+                totals[field] = float(value)
         seen, self._served_seen = self._served_seen, totals
         others: dict[tuple[str, str], float] = {}
         for field, total in totals.items():
             if field not in seen:
-                continue  # new to this replica: a baseline, not work to charge
+                continue  # newly read: a baseline, not work to charge
             delta = total - seen[field] - fields.get(field, 0.0)
             lane, sep, tenant = field.partition("|")
             if delta > 1e-9 and sep:

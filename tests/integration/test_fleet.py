@@ -5,6 +5,7 @@ across replicas than one replica would."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import httpx
@@ -56,3 +57,34 @@ def test_a_tenant_budget_is_one_for_the_fleet_through_an_outage(cluster: Callabl
     # Shared again (Redis came back empty: the fleet's bucket is full again, and one for both).
     codes = [_post(c.replicas[i % 2].url) for i in range(8)]
     assert codes.count(200) == 4, codes
+
+
+RETRY_POLICY = """
+lanes:
+  - {name: a, max_inflight: 8, max_queued: 10, deadline: 10s}
+capacity: {max_hold: 30s}
+classification: {default_lane: a}
+ratelimit: {mode: "off"}
+retry_budget: {ratio: 0, min_per_second: 0.2, window: 10s}
+"""
+
+
+def _retry(url: str) -> httpx.Response:
+    return httpx.post(url + "/v1/x", json={"max_tokens": 5}, headers={"x-stainless-retry-count": "1"},
+                      timeout=30)
+
+
+@pytest.mark.parametrize(("share", "allowed"), [("fleet", 2), ("replica", 4)])
+def test_the_retry_budget_is_one_for_the_fleet(cluster: Callable[..., Cluster], share: str,  # noqa: F811
+                                               allowed: int) -> None:
+    """A floor of 2 retries per 10 s: 2 for the whole fleet, not 2 per replica (as with
+    --store-share replica, the baseline)."""
+    c = cluster(2, RETRY_POLICY, "--store-share", share)
+    answers = []
+    for i in range(6):
+        answers.append(_retry(c.replicas[i % 2].url))
+        time.sleep(0.4)  # the others' withdrawals are read every sync (~0.2 s)
+    codes = [r.status_code for r in answers]
+    assert codes.count(200) == allowed, codes
+    refused = [r for r in answers if r.status_code == 429]
+    assert {r.headers["x-extproc-reason"] for r in refused} == {"retry_budget"}

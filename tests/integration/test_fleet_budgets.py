@@ -9,6 +9,7 @@ import asyncio
 import math
 import random
 import shutil
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -110,6 +111,25 @@ async def test_the_retry_window_counts_the_others_within_the_window(ledgers: lis
     assert await two.retry_counts(0, 0, 10.0, 10, now_ms=t + 10_500) == (0, 0)  # left the window
 
 
+async def test_each_replica_learns_the_work_the_others_served(ledgers: list[RedisLedger],
+                                                              shared_server: RedisServer) -> None:  # noqa: F811
+    one, two = ledgers
+    acme, globex = ("chat", "acme"), ("chat", "globex")
+    assert await one.served({acme: 1.0}, [acme]) == {}  # read for the first time: a baseline
+    assert await two.served({}, [acme]) == {}
+    assert await one.served({acme: 2.0, globex: 0.5}, [acme, globex]) == {}  # its own work
+    assert await two.served({acme: 0.25}, [acme]) == {acme: 2.0}
+    assert await one.served({}, [acme, globex]) == {acme: 0.25}
+    assert await one.served({}, []) == {}  # nothing queued here: nothing read
+    assert await two.served({acme: 1.0}, [acme]) == {}  # its own
+    assert await one.served({}, [acme]) == {}  # after a gap: a baseline again
+    client = shared_server.client()
+    client.hset(one._served_key, "chat|acme", "garbage")
+    assert await two.served({acme: 1.0}, [acme]) == {}  # garbage replaced, never a crash
+    client.set(one._served_key, "not a hash")
+    assert await one.served({}, [acme]) == {}
+
+
 async def test_the_fallback_refuses_at_once_while_redis_is_away(server: RedisServer) -> None:  # noqa: F811
     primary = RedisLedger(server.url, prefix="fb", timeout=0.2)
     ledger = FallbackLedger(primary, mode=FailMode.OPEN, retry_interval=0.1, fleet_size=3)
@@ -121,6 +141,10 @@ async def test_the_fallback_refuses_at_once_while_redis_is_away(server: RedisSer
         with pytest.raises(LedgerUnavailable):
             await ledger.buckets([op])
         assert ledger.degraded
+        started = time.perf_counter()
+        with pytest.raises(LedgerUnavailable):
+            await ledger.buckets([op])
+        assert time.perf_counter() - started < 0.01  # no wait on Redis while it is away
         assert ledger.fail_open
         assert ledger.fleet_size == 3
         with pytest.raises(LedgerUnavailable):

@@ -6,7 +6,7 @@ decides on the fleet's counts; a fair queue counts what other replicas served.""
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from extproc.core.budget import Budget, Rate, part
@@ -45,7 +45,8 @@ class FakeStore:
                            ) -> tuple[int, int]:
         return 0, 0
 
-    async def served(self, work: Mapping[tuple[str, str], float]) -> dict[tuple[str, str], float]:
+    async def served(self, work: Mapping[tuple[str, str], float],
+                     queued: Iterable[tuple[str, str]] = ()) -> dict[tuple[str, str], float]:
         return {}
 
 
