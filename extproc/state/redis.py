@@ -13,6 +13,13 @@ under one hash tag ``{prefix}`` (one Redis Cluster slot), every one declared to 
   ``<replica>|t`` → ``{lane: {tenant: queued}}``; present only while the replica has requests
   queued, dropped with its liveness mark.
 * ``{prefix}:lanes`` — set of lane names (so ``view`` knows which lease keys to read).
+* ``{prefix}:budget:<kind>:<tenant>`` — hash (``level``, ``at``): a tenant's bucket of the fleet
+  (``bucket.lua``, the arithmetic of ``core.budget.Budget``); kept only while below full, its TTL
+  the time it takes to refill.
+* ``{prefix}:retry`` — hash, ``d:<slot>:<replica>`` / ``w:<slot>:<replica>`` → the retry budget's
+  deposits and withdrawals per slot of the window (``retry.lua``); fields leave with the window.
+* ``{prefix}:served`` — hash, ``<lane>|<tenant>`` → predicted seconds served fleet-wide (``served.lua``):
+  what the fair queues share.
 * channel ``{prefix}:freed`` — a lane name when a slot of it may have freed, ``*`` for all.
   A release publishes only while some replica has requests queued (nobody else needs it).
 
