@@ -67,9 +67,6 @@ def verdict(allowed: bool, level: float, need: float, rate: Rate) -> Verdict:
     return Verdict(allowed, level, wait, max(rate.burst - level, 0.0) / rate.per_second)
 
 
-_verdict = verdict
-
-
 def part(rate: Rate, replicas: int) -> Rate:
     """One replica's part of a budget ``replicas`` share without talking (a store outage): the rate
     and the burst divided, the burst never below one unit (a request must fit)."""
@@ -109,10 +106,10 @@ class Budget:
         bucket = self._buckets.get(key)
         if bucket is None:
             # Never seen (or evicted): full. Nothing is stored for a mere look.
-            return _verdict(need <= rate.burst, rate.burst, need, rate)
+            return verdict(need <= rate.burst, rate.burst, need, rate)
         bucket.refill(rate, now)
         self._buckets.move_to_end(key)
-        return _verdict(bucket.level >= need, bucket.level, need, rate)
+        return verdict(bucket.level >= need, bucket.level, need, rate)
 
     def take(self, key: str, rate: Rate, amount: float, now: float) -> Verdict:
         """Take ``amount`` units if they are all there; otherwise take nothing."""
@@ -120,14 +117,14 @@ class Budget:
         allowed = bucket.level >= amount
         if allowed:
             bucket.level -= amount
-        return _verdict(allowed, bucket.level, amount, rate)
+        return verdict(allowed, bucket.level, amount, rate)
 
     def charge(self, key: str, rate: Rate, amount: float, now: float) -> Verdict:
         """Take ``amount`` units whatever the level: what was used is used. ``allowed`` says
         whether at least one unit is left afterwards."""
         bucket = self._bucket(key, rate, now)
         bucket.level -= max(amount, 0.0)
-        return _verdict(bucket.level >= 1.0, bucket.level, 1.0, rate)
+        return verdict(bucket.level >= 1.0, bucket.level, 1.0, rate)
 
     def apply(self, op: str, key: str, rate: Rate, amount: float, now: float) -> Verdict:
         """``check``, ``take`` or ``charge`` by name (the operations a shared store is sent)."""

@@ -9,13 +9,17 @@ import random
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from prometheus_client import CollectorRegistry
+
+from extproc.controller import Controller
 from extproc.core.budget import Budget, Rate, part
 from extproc.core.queue import Entry, LaneQueue
 from extproc.core.retry_budget import RetryBudget
+from extproc.metrics import Metrics
 from extproc.policy.ratelimit import RateLimit
 from extproc.servers.ratelimit import RateLimitService
 from extproc.state import BucketOp, LedgerUnavailable, Level
-from tests.unit.test_ratelimit_service import OK, OVER, Rig, request
+from tests.unit.test_ratelimit_service import OK, OVER, Clock, Rig, make_policy, request
 
 
 class FakeStore:
@@ -28,6 +32,8 @@ class FakeStore:
         self.fleet_size = fleet_size
         self.down = False
         self.calls: list[list[BucketOp]] = []
+        self.retry = (0, 0)
+        self.sent: list[tuple[int, int]] = []
 
     async def buckets(self, ops: Sequence[BucketOp], now: float | None = None) -> list[Level]:
         if self.down:
@@ -43,7 +49,10 @@ class FakeStore:
 
     async def retry_counts(self, deposits: int, withdrawals: int, window_s: float, slots: int
                            ) -> tuple[int, int]:
-        return 0, 0
+        if self.down:
+            raise LedgerUnavailable("down")
+        self.sent.append((deposits, withdrawals))
+        return self.retry
 
     async def served(self, work: Mapping[tuple[str, str], float],
                      queued: Iterable[tuple[str, str]] = ()) -> dict[tuple[str, str], float]:
@@ -184,3 +193,19 @@ def test_a_refused_slot_gives_its_tenants_charge_back() -> None:
     queue.refund(back)
     queue.push(back)
     assert queue.pop() is back  # as if never served: a is still first
+
+
+async def test_the_controller_syncs_the_retry_budget_with_the_fleet_and_goes_alone_without_it() -> None:
+    clock = Clock()
+    store = FakeStore(clock, fleet_size=3)
+    policy = make_policy(retry_budget={"ratio": 0.0, "min_per_second": 3.0, "window": "10s"})
+    controller = Controller(policy, Metrics(CollectorRegistry()), clock=clock, budgets=store)
+    budget = controller.retry_budget
+    assert budget.try_withdraw(clock.now)
+    store.retry = (0, 20)  # the other replicas let 20 retries through
+    await controller._sync_retry_budget()
+    assert store.sent == [(0, 1)]  # this replica's own withdrawal, told once
+    assert budget.balance(clock.now) == 30 - 20 - 1
+    store.down = True
+    await controller._sync_retry_budget()
+    assert budget.balance(clock.now) == 10 - 1  # its third of the floor, on its own counts
