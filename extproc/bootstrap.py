@@ -26,6 +26,8 @@ STRIP_FILTER = "extproc.strip_client_headers"
 API_KEY_FILTER = "envoy.filters.http.api_key_auth"
 #: After ext_proc: denies what extproc did not admit (fail-closed for new requests only).
 GATE_FILTER = "extproc.admission_gate"
+#: Reads a response's token usage for the tenant budgets (and strips the usage event extproc asked for).
+USAGE_FILTER = "extproc.usage"
 #: The RBAC policy the gate denies by, as it shows in %RESPONSE_CODE_DETAILS%.
 GATE_DENIAL = "rbac_access_denied_matched_policy[extproc-not-admitted]"
 #: Clusters that point at extproc: its ext_proc stream and its rate limit service (one port).
@@ -102,7 +104,7 @@ def render(
     if fail_open or extproc is None:
         _remove_gate(hcm)
     if extproc is None:
-        _remove_filters(hcm, (EXT_PROC_FILTER, RATELIMIT_FILTER))
+        _remove_filters(hcm, (EXT_PROC_FILTER, RATELIMIT_FILTER, USAGE_FILTER))
         config["static_resources"]["clusters"] = [
             c for c in config["static_resources"]["clusters"] if c["name"] not in EXTPROC_CLUSTERS
         ]

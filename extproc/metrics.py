@@ -267,6 +267,15 @@ class RateLimitMetrics:
             "extproc_ratelimit_usage_reports", "Token usage reports: one per finished response that had one.",
             registry=registry,
         )
+        self.usage_estimates = Counter(
+            "extproc_ratelimit_usage_estimates", "Finished responses without a usage report that extproc had "
+            "admitted, charged an estimate (a stream cut short, an answer without usage).",
+            registry=registry,
+        )
+        self.usage_estimated_tokens = Counter(
+            "extproc_ratelimit_usage_estimated_tokens", "Tokens charged to tenant budgets by estimate.",
+            registry=registry,
+        )
         self.ignored = Counter(
             "extproc_ratelimit_ignored", "Descriptors answered OK without a decision, by kind "
             "(unknown_domain, unknown_descriptor): a sign of a mismatched Envoy config.",

@@ -36,6 +36,10 @@ class BodyFacts:
     """Exact count when the prompt was given as token ids."""
     note: str = ""
     """Why the body could not be fully read ("" when it was)."""
+    stream: bool = False
+    """The request asks for a streamed answer (``"stream": true``; known only from a whole body)."""
+    usage_asked: bool = False
+    """The client asked for the usage event itself (``stream_options.include_usage: true``)."""
 
 
 def _text_len(value: Any) -> int:
@@ -73,11 +77,14 @@ def _from_json(doc: dict[str, Any]) -> BodyFacts:
         prompt_tokens = len(prompt)
     elif prompt is not None:
         chars += _text_len(prompt)
+    options = doc.get("stream_options")
     return BodyFacts(
         model=model[:256] if isinstance(model, str) else None,
         max_tokens=max_tokens,
         prompt_chars=chars,
         prompt_tokens=prompt_tokens,
+        stream=doc.get("stream") is True,
+        usage_asked=isinstance(options, dict) and options.get("include_usage") is True,
     )
 
 

@@ -72,6 +72,11 @@ class Budgets(_Strict):
     def any(self) -> bool:
         return any(limit.requests or limit.tokens for limit in (self.default, *self.tenants.values()))
 
+    @property
+    def tokens(self) -> bool:
+        """Some tenant has a token budget."""
+        return any(limit.tokens for limit in (self.default, *self.tenants.values()))
+
 
 def _off(value: object) -> object:
     # YAML 1.1 reads a bare `off` as false: take it as the "off" it was written as.
@@ -88,12 +93,21 @@ class RateLimit(_Strict):
     request_descriptor: _DescriptorValue = "gpu_inference"
     """``generic_key`` of the descriptor Envoy sends as a request arrives."""
     usage_descriptor: _DescriptorValue = "gpu_inference_tokens"
-    """``generic_key`` of the descriptor Envoy sends when a response ends, tokens as hits_addend."""
+    """``generic_key`` of the descriptor Envoy sends when a response ends, with the usage it read."""
+    ask_usage: bool = True
+    """With token budgets: set ``stream_options.include_usage`` on streamed requests that did not
+    ask (the model server reports a stream's tokens only then); Envoy removes that event again
+    before the client sees it. Off: streams that did not ask are charged an estimate."""
     queue_share: Annotated[float, Field(gt=0, le=1)] = 1.0
     """Shed a lane at the edge once its queue holds this share of max_queued (and no slot is free)."""
     shed_saturated: bool = True
     """Shed at the edge the lanes that saturation sheds (a retry cannot help them soon)."""
     budgets: Budgets = Field(default_factory=Budgets)
+
+    @property
+    def asks_usage(self) -> bool:
+        """Whether ext_proc asks streamed requests for their usage (token budgets are charged)."""
+        return self.ask_usage and self.mode != "off" and self.budgets.tokens
 
 
 class RetryBudget(_Strict):

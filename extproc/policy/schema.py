@@ -403,7 +403,8 @@ class Policy(_Strict):
         """Whether requests' JSON bodies should be read (model, max_tokens, prompt size).
 
         In auto mode the body is read when something uses what it says: shortest-job-first
-        ordering, per-model costs, or rules that match on the model.
+        ordering, per-model costs, rules that match on the model, or token budgets (a streamed
+        request is asked for its usage).
         """
         mode = self.estimation.read_body
         if mode != "auto":
@@ -413,4 +414,5 @@ class Policy(_Strict):
             or any(lane.sjf_weight for lane in self.lanes)
             or bool(self.estimation.models)
             or any(rule.match.models for rule in self.classification.rules)
+            or self.ratelimit.asks_usage
         )

@@ -43,6 +43,7 @@ from extproc.core.decision import Outcome, Reason, Rejection, reject
 from extproc.core.intake import Head, Intake
 from extproc.core.redaction import Redactor
 from extproc.core.saturation import Effect
+from extproc.core.usage import NAMESPACE, admission_metadata, ask_for_usage
 
 #: Envoy must never time out a hold before extproc answers it: the override carries this margin.
 HOLD_MARGIN_S = 2.0
@@ -192,7 +193,8 @@ class _Request:
 
     # One of these is made per request: slots spare it an instance __dict__.
     __slots__ = ("arrival", "body", "client", "cls", "head", "headers", "model", "outcome", "p", "reason",
-                 "remove", "request_id", "saturation", "shadow", "status", "ticket", "waiting_body")
+                 "remove", "request_id", "saturation", "shadow", "status", "ticket", "usage_body",
+                 "waiting_body")
 
     def __init__(self, processor: ExternalProcessor) -> None:
         self.p = processor
@@ -220,6 +222,9 @@ class _Request:
         self.client: str | None = None
         #: Whether the body was asked for and has not come yet.
         self.waiting_body = False
+        #: The body with ``include_usage`` set, sent upstream if the request is admitted (None:
+        #: unchanged). The model server then reports the stream's tokens; Envoy strips that event.
+        self.usage_body: bytes | None = None
 
     def on_headers(self, message: pb.HttpHeaders, client: str | None) -> pb.ProcessingResponse | None:
         """The answer to the request headers, or None when the request is to be decided on them."""
@@ -265,7 +270,10 @@ class _Request:
         if head is None or self.ticket is not None or self.outcome is not None:
             # Later chunks (not expected with BUFFERED_PARTIAL) pass untouched.
             return _BODY_PASSTHROUGH
-        self.body = self.p.intake.read(head, message.body, message.end_of_stream)
+        body = self.body = self.p.intake.read(head, message.body, message.end_of_stream)
+        if (body.stream and not body.usage_asked and self.p.controller.policy.ratelimit.asks_usage
+                and head.headers.get("content-encoding", "identity").strip().lower() == "identity"):
+            self.usage_body = ask_for_usage(message.body, body)
         return None
 
     def decide(self) -> Decision:
@@ -310,6 +318,15 @@ class _Request:
             would = decision.shadow.value + (f"; reason={decision.reason.value}" if decision.reason else "")
             headers.append(("x-extproc-shadow", would))
         _continue(common, self.remove, headers)
+        ratelimit = self.p.controller.policy.ratelimit
+        if ratelimit.mode != "off" and ratelimit.budgets.tokens:
+            # What the edge charges the tenant when the response ends without reporting its usage.
+            admitted = self.arrival + t.queue_wait
+            meta = admission_metadata(t.job.prompt_tokens, t.job.output_tokens, t.predicted, admitted,
+                                      strip=self.usage_body is not None and phase == "request_body")
+            response.dynamic_metadata.update({NAMESPACE: meta})
+            if self.usage_body is not None and phase == "request_body":
+                common.body_mutation.body = self.usage_body
         return response
 
     def _reject(self, decision: Decision) -> pb.ProcessingResponse:

@@ -6,8 +6,9 @@ then: ``generic_key`` (the policy's ``request_descriptor``), ``method``, ``path`
 and the headers the policy may trust, each under its own name. Each arrival
 descriptor is judged by the core's :class:`~extproc.core.edge.Edge` (the one
 intake, the scheduler's own admission rule, the tenant budgets); a usage
-descriptor (``usage_descriptor``, sent when a response ends, ``hits_addend`` = the
-tokens used) is charged to the tenant's token budget.
+descriptor (``usage_descriptor``, sent when a response ends, with the usage the proxy
+read from the body, or an estimate's inputs: ``core/usage.py``) is charged to the
+tenant's token budget.
 
 Every answer carries ``statuses``, which Envoy turns into ``x-ratelimit-*``
 headers. A lane's status counts places (slots + queue places before the edge
@@ -53,6 +54,7 @@ from extproc.core.edge import (
     SchedulerPressure,
 )
 from extproc.core.redaction import Redactor
+from extproc.core.usage import USAGE, USAGE_ENTRIES, Charge, charged
 from extproc.metrics import RateLimitMetrics
 from extproc.policy.ratelimit import RateLimit
 from extproc.state import BucketOp, BudgetStore, LedgerUnavailable
@@ -92,7 +94,7 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
     def __init__(self, pressure: Pressure, metrics: RateLimitMetrics, config: Callable[[], RateLimit], *,
                  clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None,
                  permit_retry: Callable[[], bool] | None = None, log_key: bytes | None = None,
-                 store: BudgetStore | None = None) -> None:
+                 wall: Callable[[], float] = time.time, store: BudgetStore | None = None) -> None:
         self.pressure = pressure
         #: Reserves a retry in ext_proc's retry budget for a shed that lets its client retry;
         #: False (no room) makes the shed say x-should-retry: false.
@@ -100,6 +102,8 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
         self.metrics = metrics
         self.config = config
         self.now = clock
+        #: Epoch seconds: ext_proc records when it admitted a request in them (for an estimate).
+        self.wall = wall
         self.edge = Edge(pressure, rng, config().budgets.max_tenants)
         #: The fleet's shared budgets (None: this replica's own, in memory). While it is unreachable,
         #: the edge's own budgets hold this replica's part.
@@ -216,10 +220,7 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
             explicit = descriptor.HasField("hits_addend")
             hits = descriptor.hits_addend.value if explicit else request.hits_addend
             if kind == config.usage_descriptor:
-                if hits > 0:
-                    self.metrics.usage_reports.inc()
-                    self.metrics.usage_tokens.inc(hits)
-                    self.edge.charge(config, entries, hits, now)
+                self._usage(config, entries, hits if explicit or hits else 0, now)
             elif kind == config.request_descriptor:
                 judgement = judged[i] if judged is not None and i in judged \
                     else self.edge.judge(config, entries, hits if explicit or hits else 1, now)
@@ -241,6 +242,27 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
         return response
 
     # -- internals ----------------------------------------------------------------------------
+
+    def _usage(self, config: RateLimit, entries: dict[str, str], hits: int, now: float) -> None:
+        """Charge a finished response's tokens: what the model server reported (the ``usage`` entry
+        the proxy read from the body, or a backend's own count as hits_addend), else an estimate
+        from what ext_proc admitted."""
+        if USAGE in entries:
+            charge = charged(entries, self.wall())
+            for key in USAGE_ENTRIES:
+                entries.pop(key, None)  # not headers: never classified as such
+        else:  # a config that reports tokens as hits_addend (a backend that sends a header)
+            charge = Charge(hits, "reported") if hits > 0 else Charge(0, "unknown")
+        if charge.source == "reported":
+            if charge.tokens <= 0:
+                return
+            self.metrics.usage_reports.inc()
+            self.metrics.usage_tokens.inc(charge.tokens)
+        elif charge.source == "estimated":
+            self.metrics.usage_estimates.inc()
+            self.metrics.usage_estimated_tokens.inc(charge.tokens)
+        if charge.tokens > 0:
+            self.edge.charge(config, entries, charge.tokens, now)
 
     def _redaction(self) -> Redactor:
         policy = self.pressure.policy

@@ -500,10 +500,9 @@ async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
         if not await _wait(request, handle.finished):
             return web.Response(status=499)  # nobody is listening; the status is for the access log
         handle.finished.result()
-        body = reply.whole()
-        # Token usage in a header too: Envoy's ratelimit filter can report it at stream end
-        # (hits_addend from %RESP(x-usage-total-tokens)%); a body it cannot read.
-        return web.json_response(body, headers={"x-usage-total-tokens": str(body["usage"]["total_tokens"])})
+        # Usage in the body only, as vLLM reports it (no header: Envoy's usage filter reads the body).
+        return web.Response(body=json.dumps(reply.whole(), separators=(",", ":")).encode(),
+                            content_type="application/json")
     finally:
         # Whatever ended this handler (client gone, handler cancelled, server stopping): free the slot.
         backend.live.cancel(handle)

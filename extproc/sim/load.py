@@ -213,6 +213,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="mean requests per second: the workload's rate, or a trace sped up to it")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--no-retries", action="store_true", help="clients never retry")
+    parser.add_argument("--no-usage", action="store_true",
+                        help="streamed requests do not ask for their usage (stream_options.include_usage), "
+                             "as the OpenAI SDKs by default")
     parser.add_argument("--drain-timeout", type=float, default=120.0,
                         help="seconds to wait for requests still running after the last arrival")
     parser.add_argument("--json", dest="json_out", help="write per-request results and summaries here")
@@ -247,6 +250,8 @@ def command(args: argparse.Namespace) -> int:
 
     def recorded(source: Iterable[Request]) -> Iterator[Request]:
         for request in source:
+            if args.no_usage:
+                request = dataclasses.replace(request, include_usage=False)
             sent.append(request)
             yield request
 

@@ -46,6 +46,7 @@ from extproc.core.edge import Edge, SchedulerPressure
 from extproc.core.gatekeeper import Gatekeeper
 from extproc.core.intake import Intake
 from extproc.core.saturation import Reading
+from extproc.core.usage import USAGE, admission_metadata, charged
 from extproc.policy.schema import Policy
 from extproc.sim import traces
 from extproc.sim.engine import Engine, Finished, FirstToken, RequestRejected, capacity_schedule_arg
@@ -299,18 +300,31 @@ class Simulator:
             st.ticket = submitted.decision.ticket
             settle([submitted.decision, *submitted.evicted], now)
 
-        def usage(st: _State, now: float) -> None:
-            # The simulated backend reports usage in a header on answers that are not streamed, the
-            # live edge charges it when the response ends: the same here.
+        def usage(st: _State, now: float, finished: bool) -> None:
+            # As live: a finished request is charged the usage the backend reported (the simulated
+            # backend reports it like vLLM, in the body, and in a stream that asked for it, as ext_proc
+            # makes every stream ask); one cut short, the estimate from its admission (core/usage.py).
             assert policy is not None
             assert edge is not None
             config = policy.ratelimit
-            if config.mode == "off" or st.request.stream:
+            ticket = st.ticket
+            if config.mode == "off" or not config.budgets.tokens or ticket is None:
+                return
+            if ticket.admitted_at is None:
                 return
             headers = {**st.request.headers, **st.request.gateway}
             entries = {"generic_key": config.usage_descriptor,
                        **{k.lower(): v for k, v in headers.items() if k.lower() in policy.trusted_headers}}
-            edge.charge(config, entries, st.request.prompt_tokens + st.request.output_tokens, now)
+            request = st.request
+            if finished and (not request.stream or request.include_usage or config.asks_usage):
+                said = {USAGE: str(request.prompt_tokens + request.output_tokens)}
+            else:
+                job = ticket.job
+                said = admission_metadata(job.prompt_tokens, job.output_tokens, ticket.predicted,
+                                          ticket.admitted_at, strip=False)
+            charge = charged(said, now)
+            if charge.tokens > 0:
+                edge.charge(config, entries, charge.tokens, now)
 
         while True:
             t_heap = min(heap[0][0] if heap else math.inf, math.inf if upcoming is None else upcoming.at)
@@ -371,6 +385,7 @@ class Simulator:
                     finish(st, -1, None, "timeout")
                     if gate is not None and st.ticket is not None:
                         by_ticket.pop(st.ticket.id, None)
+                        usage(st, now, finished=False)
                         settle(gate.scheduler.release(st.ticket, now, learn=False), now)
                     continue
                 st.attempts += 1
@@ -399,7 +414,7 @@ class Simulator:
                     if gate is not None and st.ticket is not None:
                         by_ticket.pop(st.ticket.id, None)
                         clock[0] = event.time
-                        usage(st, event.time)
+                        usage(st, event.time, finished=True)
                         settle(gate.scheduler.release(st.ticket, event.time), event.time)
         results.extend(Result(st.request.index, st.request.cls, st.request.tenant, st.request.at, -1, None,
                               None, st.attempts, st.request.output_tokens, "unfinished")

@@ -79,6 +79,9 @@ class TrafficClass(_Strict):
     lengths: Lengths | None = None
     slo: Slo = Field(default_factory=Slo)
     stream: bool = True
+    include_usage: bool = True
+    """A streamed request asks for its usage (``stream_options.include_usage``); the OpenAI SDKs
+    do not unless told to."""
 
 
 class Client(_Strict):
@@ -119,6 +122,8 @@ class Request:
     """The API key the client presents, if any."""
     gateway: dict[str, str] = field(default_factory=dict)
     """Headers the gateway sets from the key (what extproc then sees; the simulator applies them)."""
+    include_usage: bool = True
+    """A streamed request asks for its usage event."""
 
     @property
     def is_long(self) -> bool:
@@ -133,7 +138,7 @@ class Request:
             doc["messages"] = [{"role": "user", "content": prompt}]
         else:
             doc["prompt"] = prompt
-        if self.stream:
+        if self.stream and self.include_usage:
             doc["stream_options"] = {"include_usage": True}
         return doc
 
@@ -216,7 +221,7 @@ def make_request(spec: WorkloadSpec, cls: TrafficClass, index: int, at: float, p
     elif len(cls.tenants) > 1 or "default" not in cls.tenants or tenant != "default":
         headers[cls.tenant_header] = tenant
     return Request(index, at, cls.name, tenant, prompt_tokens, output_tokens, cls.path, headers, cls.stream,
-                   spec.model, key, gateway)
+                   spec.model, key, gateway, cls.include_usage)
 
 
 def retry_delay(client: Client, attempt: int, status: int | None, headers: dict[str, str],

@@ -179,9 +179,12 @@ def _why_body(policy: Policy) -> str:
         uses.append("estimation.models has per-model costs")
     uses += [f"rule {_rule_name(i, r.name)} matches on models"
              for i, r in enumerate(policy.classification.rules) if r.match.models]
+    if policy.ratelimit.asks_usage:
+        uses.append("token budgets: a streamed request is asked for its usage (ratelimit.ask_usage)")
     if uses:
         return "read_body auto: " + "; ".join(uses)
-    return "read_body auto and nothing uses it (sjf_weight 0, no per-model costs, no rule on models)"
+    return ("read_body auto and nothing uses it (sjf_weight 0, no per-model costs, no rule on models, "
+            "no token budgets)")
 
 
 def intake(policy: Policy, request: SampleRequest) -> Intake:

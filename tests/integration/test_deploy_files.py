@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from extproc import bootstrap
+from extproc.core import usage as usage_mod
 from extproc.localstack import ROOT, envoy_binary
 from extproc.policy import load_policy
 from extproc.policy.ratelimit import RateLimit
@@ -68,7 +69,8 @@ def test_filter_order_strip_keys_edge_admission_gate() -> None:
     _, hcm = _shipped()
     names = [f["name"] for f in hcm["http_filters"]]
     assert names == [bootstrap.STRIP_FILTER, bootstrap.API_KEY_FILTER, bootstrap.RATELIMIT_FILTER,
-                     bootstrap.EXT_PROC_FILTER, bootstrap.GATE_FILTER, "envoy.filters.http.router"]
+                     bootstrap.EXT_PROC_FILTER, bootstrap.GATE_FILTER, bootstrap.USAGE_FILTER,
+                     "envoy.filters.http.router"]
     ext_proc = hcm["http_filters"][3]["typed_config"]
     # Fail-open: a running response never depends on extproc; the gate keeps new ones fail-closed.
     assert ext_proc["failure_mode_allow"] is True
@@ -151,9 +153,52 @@ def test_inference_route_sends_what_the_rate_limit_service_reads() -> None:
         assert sent[header] == {"header_name": header, "descriptor_key": header, "skip_if_absent": True}
     assert not arrival.get("apply_on_stream_done", False)
     assert usage["apply_on_stream_done"] is True
-    assert usage["hits_addend"] == {"format": "%RESP(x-usage-total-tokens)%"}
+    assert "hits_addend" not in usage  # a response without a header must still be charged
     tenant = policy.tenants.header
     assert any(a.get("request_headers", {}).get("descriptor_key") == tenant for a in usage["actions"])
+    # The entries the service reads (core/usage.py): the reported usage, else the estimate's inputs
+    # from the metadata ext_proc sets; each with a default, or Envoy drops the whole descriptor.
+    meta = {a["metadata"]["descriptor_key"]: a["metadata"] for a in usage["actions"] if "metadata" in a}
+    assert set(meta) == set(usage_mod.USAGE_ENTRIES)
+    for key, action in meta.items():
+        assert action["default_value"] == usage_mod.ABSENT
+        assert action["source"] == "DYNAMIC"
+        namespace = usage_mod.USAGE_NAMESPACE if key == usage_mod.USAGE else usage_mod.NAMESPACE
+        path = usage_mod.USAGE_KEY if key == usage_mod.USAGE else key
+        assert action["metadata_key"] == {"key": namespace, "path": [{"key": path}]}
+
+
+def _usage_sources() -> list[tuple[str, str]]:
+    """Every inlined copy of envoy/usage.lua: envoy.yaml's, compose.yaml's, the Istio patches'."""
+    out = []
+    for name, text in [("envoy.yaml", (ROOT / "envoy" / "envoy.yaml").read_text()),
+                       ("compose.yaml", COMPOSE_ENVOY.read_text())]:
+        hcm = yaml.safe_load(text)["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+        for f in hcm["typed_config"]["http_filters"]:
+            if f["name"] == bootstrap.USAGE_FILTER:
+                out.append((name, f["typed_config"]["default_source_code"]["inline_string"]))
+    for overlay in ("gateway", "sidecar"):
+        doc = yaml.safe_load((ROOT / "istio" / "overlays" / overlay / "envoyfilter.yaml").read_text())
+        for patch in doc["spec"]["configPatches"]:
+            value = patch["patch"].get("value", {})
+            if value.get("name") == bootstrap.USAGE_FILTER:
+                out.append((overlay, value["typed_config"]["default_source_code"]["inline_string"]))
+    return out
+
+
+def test_every_inlined_usage_filter_is_envoy_usage_lua() -> None:
+    source = (ROOT / "envoy" / "usage.lua").read_text()
+    copies = _usage_sources()
+    assert [name for name, _ in copies] == ["envoy.yaml", "compose.yaml", "gateway", "sidecar"]
+    for name, text in copies:
+        assert text == source, f"{name}: its extproc.usage script differs from envoy/usage.lua"
+
+
+def test_ext_proc_may_set_the_metadata_the_usage_filter_and_descriptor_read() -> None:
+    _, hcm = _shipped()
+    filters = {f["name"]: f["typed_config"] for f in hcm["http_filters"]}
+    namespaces = filters[bootstrap.EXT_PROC_FILTER]["metadata_options"]["receiving_namespaces"]["untyped"]
+    assert usage_mod.NAMESPACE in namespaces
 
 
 def test_compose_envoy_config_is_generated_from_the_shipped_one() -> None:

@@ -856,15 +856,16 @@ def test_the_edge_shed_runs_before_ext_proc(rendered: Rendered) -> None:
     for (_, name), envoyfilter in filters.items():
         patches = [p for p in envoyfilter["spec"]["configPatches"] if p["applyTo"] == "HTTP_FILTER"]
         # Istio inserts INSERT_BEFORE patches in the order listed: the ratelimit patch comes first.
-        assert [p["patch"]["value"]["name"] for p in patches] == [STRIP, RATELIMIT, EXT_PROC, GATE], name
-        _, shed, admit, gate = patches
-        assert shed["match"] == admit["match"] == gate["match"], \
+        assert [p["patch"]["value"]["name"] for p in patches] == [STRIP, RATELIMIT, EXT_PROC, GATE,
+                                                                   bootstrap.USAGE_FILTER], name
+        _, shed, admit, gate, usage = patches
+        assert shed["match"] == admit["match"] == gate["match"] == usage["match"], \
             f"{name}: the filters must land on the same listeners"
         assert shed["patch"]["operation"] == admit["patch"]["operation"] == "INSERT_BEFORE"
         # Applied the way Istio applies them, the chain is envoy/envoy.yaml's (less the demo's keys).
         chain = [f["name"] for f in bootstrap_hcm(envoy_bootstrap(envoyfilter))["http_filters"]]
         shipped = [f["name"] for f in shipped_hcm()["http_filters"] if f["name"] != API_KEYS]
-        assert chain == [STRIP, RATELIMIT, EXT_PROC, GATE, ROUTER] == shipped
+        assert chain == [STRIP, RATELIMIT, EXT_PROC, GATE, bootstrap.USAGE_FILTER, ROUTER] == shipped
 
 
 def ratelimit_problems(docs: list[Doc], policy: Policy) -> list[str]:

@@ -49,7 +49,7 @@ CHAT = {"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content":
 @dataclass
 class Upstream:
     """Echoes what it got; ``x-test-hold: NAME`` waits for ``release(NAME)``; ``x-test-usage: N``
-    reports N tokens in ``x-usage-total-tokens``, as a backend would."""
+    reports N tokens in the body's ``usage``, as a model server would."""
 
     holds: dict[str, asyncio.Event] = field(default_factory=dict)
     seen: int = 0
@@ -66,11 +66,11 @@ class Upstream:
         name = request.headers.get("x-test-hold")
         if name:
             await self.hold(name).wait()
-        headers = {}
-        if "x-test-usage" in request.headers:
-            headers["x-usage-total-tokens"] = request.headers["x-test-usage"]
         seen = {k.lower(): v for k, v in request.headers.items()}
-        return web.json_response({"path": request.path, "headers": seen}, headers=headers)
+        answer: dict[str, Any] = {"path": request.path, "headers": seen}
+        if "x-test-usage" in request.headers:
+            answer["usage"] = {"total_tokens": int(request.headers["x-test-usage"])}
+        return web.json_response(answer)
 
 
 @dataclass
@@ -117,7 +117,10 @@ async def make_edge(tmp_path: Path) -> AsyncIterator[MakeEdge]:
         async def make(config: RateLimit | None = None, *, rls: bool = True,
                        rls_port: int | None = None) -> Edge:
             registry = CollectorRegistry()
-            controller = Controller(POLICY, Metrics(registry), rng=random.Random(3))
+            # The service reads `live`; ext_proc its controller's policy (which says whether to record
+            # what it admitted for a token charge): both start from the same budgets.
+            policy = POLICY if config is None else POLICY.model_copy(update={"ratelimit": config})
+            controller = Controller(policy, Metrics(registry), rng=random.Random(3))
             controller.start()
             exits.push_async_callback(controller.stop)
             server = grpc.aio.server()
@@ -262,7 +265,9 @@ async def test_tokens_reported_at_stream_end_spend_the_tenant_token_budget(make_
     assert refused.headers["x-extproc-reason"] == "tenant_token_budget"
     assert refused.headers["x-ratelimit-limit"] == '100, 100;w=60;name="tenant_tokens"'
     assert other.status_code == 200
-    # A response without a usage header reports nothing.
+    # A response without usage reports nothing; the one ext_proc admitted is charged an estimate,
+    # the one the edge shed nothing.
+    await until(lambda: edge.sample("extproc_ratelimit_usage_estimates_total") == 1, "the estimate")
     assert edge.sample("extproc_ratelimit_usage_reports_total") == 1
 
 

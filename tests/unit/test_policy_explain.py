@@ -18,6 +18,7 @@ from extproc.core.decision import Outcome, Reason
 from extproc.core.estimate import Job
 from extproc.metrics import Metrics
 from extproc.policy import Policy, load_policy
+from extproc.policy.ratelimit import RateLimit
 from extproc.servers.extproc import ExternalProcessor, _Request
 from extproc.tools import explain as ex
 from extproc.tools.explain import ExplainError, LaneLoad, parse_state, sample_request
@@ -173,6 +174,12 @@ def test_single_lane_policy_reads_no_body_and_trusts_no_header() -> None:
         "default", "default", "default")
     # Not read, so neither the body's model nor its max_tokens count.
     assert expl.estimate.job == Job(None, 0, 256)
+    # A token budget reads it: a stream must be asked for its usage.
+    budgeted = policy.model_copy(update={"ratelimit": RateLimit.model_validate(
+        {"budgets": {"default": {"tokens": 1000}}})})
+    with_budget = ex.explain(budgeted, request)
+    assert with_budget.intake.body_read
+    assert "token budgets: a streamed request is asked for its usage" in with_budget.intake.body_why
     assert expl.estimate.prompt_from == "body not read"
     # One lane that is the whole capacity: "all slots busy" would repeat "at its limit".
     names = [s.name for s in expl.scenarios]

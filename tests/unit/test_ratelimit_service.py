@@ -524,6 +524,45 @@ def test_usage_reports_take_request_level_hits_too() -> None:
     assert rig.ask(arrival()).overall_code == OVER
 
 
+def finished(usage: str = "none", *, prompt: str = "none", output: str = "none", service_ms: str = "none",
+             admitted_ms: str = "none", **headers: str) -> dict[str, str]:
+    """The usage descriptor of the shipped configs: every entry present, "none" where Envoy had no value."""
+    return {"generic_key": "gpu_inference_tokens", **{k.replace("_", "-"): v for k, v in headers.items()},
+            "usage": usage, "prompt_tokens": prompt, "output_tokens": output, "service_ms": service_ms,
+            "admitted_ms": admitted_ms}
+
+
+def test_the_usage_the_proxy_read_is_charged_and_its_entries_are_not_headers() -> None:
+    rig = Rig(budgets(tokens=1000, per="minute"))
+    rig.service.wall = lambda: 1000.0
+    assert rig.ask(finished("1200", prompt="100", output="50", service_ms="1000", admitted_ms="999000",
+                            x_tenant_id="acme")).overall_code == OK
+    assert rig.sample("extproc_ratelimit_usage_tokens_total") == 1200
+    assert rig.sample("extproc_ratelimit_usage_reports_total") == 1
+    assert rig.sample("extproc_ratelimit_usage_estimates_total") == 0
+    assert rig.ask(arrival(x_tenant_id="acme")).overall_code == OVER
+    assert rig.ask(arrival(x_tenant_id="globex")).overall_code == OK
+
+
+def test_a_response_without_usage_is_charged_the_estimate_from_its_admission() -> None:
+    rig = Rig(budgets(tokens=1000, per="minute"))
+    rig.service.wall = lambda: 1000.0
+    # Admitted 2 s ago, sized 4 s: the prompt and half the output.
+    rig.ask(finished(prompt="600", output="1000", service_ms="4000", admitted_ms="998000",
+                     x_tenant_id="acme"))
+    assert rig.sample("extproc_ratelimit_usage_estimates_total") == 1
+    assert rig.sample("extproc_ratelimit_usage_estimated_tokens_total") == 1100
+    assert rig.sample("extproc_ratelimit_usage_reports_total") == 0
+    assert rig.ask(arrival(x_tenant_id="acme")).overall_code == OVER
+
+
+def test_a_response_extproc_never_admitted_charges_nothing() -> None:
+    rig = Rig(budgets(tokens=1000, per="minute"))
+    rig.ask(finished(x_tenant_id="acme"))
+    assert rig.sample("extproc_ratelimit_usage_estimates_total") == 0
+    assert len(rig.service.tokens) == 0
+
+
 def test_a_smaller_max_tenants_after_a_reload_shrinks_the_tables() -> None:
     rig = Rig(budgets(requests=10))
     for i in range(5):

@@ -269,6 +269,18 @@ def test_the_edge_and_tenant_budgets_apply_in_simulation(demo_policy: Policy) ->
     assert {r.tenant for r in refused} == {"acme"}
 
 
+def test_streamed_answers_spend_token_budgets_in_simulation(demo_policy: Policy) -> None:
+    # The chatbot's answers are streamed: charged from the usage the backend reports, as live.
+    budgets = {"tenants": {"acme": {"tokens": 20_000, "per": "minute"}}}
+    policy = _with(demo_policy, ratelimit={"budgets": budgets})
+    spec, requests = chatbot(0.7, 40)
+    assert all(r.stream for r in requests)
+    run = Simulator(LLAMA_70B_2XH100, time_scale=0.1, client=spec.client).run(requests, policy)
+    refused = [r for r in run.results if r.reason == "tenant_token_budget"]
+    assert refused
+    assert {r.tenant for r in refused} == {"acme"}
+
+
 def test_auto_capacity_runs_in_the_simulator_and_follows_a_capacity_step() -> None:
     # The same limit controller as live: sized from the engine model's own signals (waiting requests,
     # TTFT and inter-token latency percentiles), within the policy's bounds, through a lost half.

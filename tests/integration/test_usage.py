@@ -1,0 +1,234 @@
+"""Token budgets charged from the usage the model server really reports, through a real Envoy.
+
+The stack is the shipped one: the simulated backend (which, like vLLM, reports usage only in
+the body, and in a stream only when asked), ``extproc serve`` and Envoy with envoy/envoy.yaml.
+Clients are the real OpenAI SDK (streaming, with and without ``include_usage``) and httpx
+(a stream cut short). What was charged is read from extproc's own counters.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from extproc.localstack import Process, Stack, envoy_config, free_port, wait_http
+from tests.integration.conftest import DEMO_KEYS, Env, metric
+from tests.integration.upstream import USAGE_BODIES
+
+pytestmark = pytest.mark.envoy
+
+POLICY = """
+version: 1
+lanes:
+  - {name: interactive, max_inflight: 4, max_queued: 16, deadline: 10s}
+capacity: {max_inflight: 4, max_hold: 300s}
+trusted_headers: [x-extproc-client]
+classification: {default_lane: interactive}
+tenants: {header: x-extproc-client, default: anonymous}
+ratelimit:
+  budgets:
+    default: {tokens: 1000000, per: minute}
+    tenants:
+      free: {tokens: 60, per: minute}
+"""
+PROMPT = [{"role": "user", "content": "tell me something " * 8}]
+
+
+@dataclass
+class Usage:
+    url: str
+    metrics: str
+    stack: Stack
+    extproc: Process
+    envoy: Process
+
+    def sample(self, name: str) -> float:
+        return metric(self.metrics, name)
+
+    def reported(self) -> tuple[float, float]:
+        """(responses that reported usage, their tokens)."""
+        return (self.sample("extproc_ratelimit_usage_reports_total"),
+                self.sample("extproc_ratelimit_usage_tokens_total"))
+
+    def estimated(self) -> tuple[float, float]:
+        return (self.sample("extproc_ratelimit_usage_estimates_total"),
+                self.sample("extproc_ratelimit_usage_estimated_tokens_total"))
+
+    def wait_for(self, predicate: Callable[[], bool], what: str, within_s: float = 10.0) -> None:
+        """Envoy charges a response in a call of its own after the stream ends: wait for it."""
+        deadline = time.monotonic() + within_s
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}")
+            time.sleep(0.02)
+
+    def client(self, tenant: str = "acme") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=DEMO_KEYS[tenant], max_retries=0, timeout=30)
+
+
+@pytest.fixture
+def gateway(tmp_path: Path) -> Iterator[Usage]:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(POLICY)
+    stack = Stack(tmp_path)
+    try:
+        backend = free_port()
+        stack.start("backend", [sys.executable, "-m", "extproc", "sim", "backend", "--profile", "test",
+                                "--listen", f"127.0.0.1:{backend}", "--stream-interval", "0.02",
+                                "--log-level", "warning"])
+        wait_http(f"http://127.0.0.1:{backend}/health", proc=stack.processes[-1].popen)
+        grpc, http = free_port(), free_port()
+        extproc = stack.extproc(policy, grpc, http)
+        listen, admin = free_port(), free_port()
+        envoy = stack.envoy(envoy_config(listen, admin, backend, grpc))
+        yield Usage(f"http://127.0.0.1:{listen}", f"http://127.0.0.1:{http}/metrics", stack, extproc, envoy)
+    finally:
+        stack.stop()
+
+
+def test_a_streaming_sdk_client_that_did_not_ask_is_charged_what_it_used_and_never_sees_the_event(
+        gateway: Usage) -> None:
+    chunks = list(gateway.client().chat.completions.create(
+        model="sim-test", messages=PROMPT, max_tokens=24, stream=True))  # type: ignore[arg-type]
+    # Every chunk is one the client asked for: none with empty choices, none carrying usage.
+    assert chunks
+    assert all(c.choices for c in chunks)
+    assert all(getattr(c, "usage", None) is None for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    gateway.wait_for(lambda: gateway.reported()[0] == 1, "the usage report")
+    # The backend's own count (asked for on the client's behalf): 24 generated + the prompt.
+    _reports, tokens = gateway.reported()
+    asked = list(gateway.client().chat.completions.create(
+        model="sim-test", messages=PROMPT, max_tokens=24, stream=True,  # type: ignore[arg-type]
+        stream_options={"include_usage": True}))
+    gateway.wait_for(lambda: gateway.reported()[0] == 2, "the second usage report")
+    final = asked[-1]
+    assert final.choices == []
+    assert final.usage is not None
+    assert final.usage.completion_tokens == 24
+    assert tokens == final.usage.total_tokens  # the same request, charged the same
+    assert gateway.reported()[1] == 2 * final.usage.total_tokens
+    assert gateway.estimated() == (0, 0)
+
+
+def test_a_non_streamed_answer_is_charged_from_its_json_body(gateway: Usage) -> None:
+    answer = gateway.client().chat.completions.create(model="sim-test", messages=PROMPT,  # type: ignore[arg-type]
+                                                      max_tokens=7)
+    assert answer.usage is not None
+    gateway.wait_for(lambda: gateway.reported()[0] == 1, "the usage report")
+    assert gateway.reported()[1] == answer.usage.total_tokens
+
+
+def test_a_spent_token_budget_refuses_the_tenants_next_request(gateway: Usage) -> None:
+    free = gateway.client("free")
+    list(free.chat.completions.create(model="sim-test", messages=PROMPT, max_tokens=40,  # type: ignore[arg-type]
+                                      stream=True))
+    gateway.wait_for(lambda: gateway.reported()[0] == 1, "the usage report")
+    with pytest.raises(openai.RateLimitError) as refused:
+        free.chat.completions.create(model="sim-test", messages=PROMPT, max_tokens=5)  # type: ignore[arg-type]
+    assert refused.value.response.headers["x-extproc-reason"] == "tenant_token_budget"
+    # Another tenant is not touched.
+    assert gateway.client("acme").chat.completions.create(
+        model="sim-test", messages=PROMPT, max_tokens=5).choices  # type: ignore[arg-type]
+
+
+def test_a_stream_cut_short_is_charged_an_estimate_of_what_it_used(gateway: Usage) -> None:
+    body = {"model": "sim-test", "messages": PROMPT, "max_tokens": 400, "stream": True}
+    headers = {"authorization": f"Bearer {DEMO_KEYS['acme']}"}
+    with httpx.Client(timeout=30) as client, client.stream("POST", gateway.url + "/v1/chat/completions",
+                                                           json=body, headers=headers) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                break  # the client leaves after its first token
+    gateway.wait_for(lambda: gateway.estimated()[0] == 1, "the estimate")
+    _, tokens = gateway.estimated()
+    # At least the prompt (~36 tokens by extproc's 4 characters a token), far less than all 400.
+    assert 30 <= tokens < 36 + 400
+    assert gateway.reported() == (0, 0)
+
+
+def test_streams_run_on_without_their_usage_event_when_extproc_dies_mid_way(gateway: Usage) -> None:
+    body = {"model": "sim-test", "messages": PROMPT, "max_tokens": 60, "stream": True}
+    headers = {"authorization": f"Bearer {DEMO_KEYS['acme']}"}
+    events: list[str] = []
+    with httpx.Client(timeout=30) as client, client.stream("POST", gateway.url + "/v1/chat/completions",
+                                                           json=body, headers=headers) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if len(events) == 1:
+                    gateway.extproc.stop(sig=9)
+    assert events[-1] == "[DONE]"
+    docs = [json.loads(e) for e in events[:-1]]
+    assert sum(len(d["choices"][0]["delta"].get("content", "")) > 0 for d in docs) >= 1
+    # The proxy still removed the usage event extproc asked for before it died.
+    assert all((d["choices"] and "usage" not in d) or d.get("usage") is None for d in docs)
+    assert docs[-1]["choices"][0]["finish_reason"] == "length"
+
+
+BUDGET_POLICY = POLICY.replace("lanes:", "estimation: {read_body: always}\nlanes:")
+
+
+@pytest.mark.parametrize(("kind", "source"),
+                         [("big", "reported"), ("split", "reported"), ("garbage", "estimated")])
+def test_bodies_whose_usage_is_hard_to_read_pass_whole_and_are_charged(
+        make_env: Callable[..., Env], kind: str, source: str) -> None:
+    env = make_env(BUDGET_POLICY)
+    _content_type, pieces = USAGE_BODIES[kind]
+    headers = {"authorization": f"Bearer {DEMO_KEYS['acme']}", "x-test-usage-body": kind}
+    response = httpx.post(env.url + "/v1/chat/completions", json={"model": "m", "stream": True},
+                          headers=headers, timeout=30)
+    assert response.status_code == 200
+    # Not a byte changed, nothing buffered away; the split usage event (extproc asked for it: the
+    # body says stream) is not removed, as the guide says, but its count is read.
+    assert response.content == b"".join(pieces)
+    counter = {"reported": "extproc_ratelimit_usage_reports_total",
+               "estimated": "extproc_ratelimit_usage_estimates_total"}[source]
+    deadline = time.monotonic() + 10
+    while env.metric(counter) < 1:
+        assert time.monotonic() < deadline, f"no {source} charge"
+        time.sleep(0.05)
+    if source == "reported":
+        assert env.metric("extproc_ratelimit_usage_tokens_total") == {"big": 99, "split": 7}[kind]
+
+
+WORKLOAD = """
+model: sim-test
+arrivals: {process: poisson, rate: 6}
+lengths: {kind: fixed, output: 12, prompt_mean: 40}
+classes:
+  - {name: interactive, tenants: {acme: 1}, keys: {acme: sk-demo-acme}, stream: true}
+client: {kind: none, timeout: 30s}
+"""
+
+
+def test_sim_load_clients_that_do_not_ask_for_usage_are_charged_what_the_backend_reported(
+        gateway: Usage, tmp_path: Path) -> None:
+    spec = tmp_path / "workload.yaml"
+    spec.write_text(WORKLOAD)
+    out = tmp_path / "load.json"
+    trace = tmp_path / "sent.jsonl"
+    result = subprocess.run([sys.executable, "-m", "extproc", "sim", "load", "--target", gateway.url,
+                             "--workload", str(spec), "--duration", "2", "--no-usage", "--json", str(out),
+                             "--write-trace", str(trace)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    sent = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert sent
+    assert not any(r["include_usage"] for r in sent)
+    ok = sum(1 for r in json.loads(out.read_text())["results"] if r["status"] == 200)
+    assert ok == len(sent) >= 3
+    gateway.wait_for(lambda: gateway.reported()[0] == ok, "a usage report per request")
+    # 12 tokens generated and the backend's count of the prompt, for every one of them.
+    assert gateway.reported()[1] >= ok * 12
+    assert gateway.estimated() == (0, 0)
