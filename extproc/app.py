@@ -35,7 +35,7 @@ from extproc.servers.ratelimit import ControllerPressure, RateLimitService
 from extproc.servers.ratelimit import add_to_server as add_ratelimit_service
 from extproc.settings import Settings, allowed_hosts, is_loopback
 from extproc.signals.hub import SignalHub
-from extproc.state.store import open_ledger
+from extproc.state.store import budget_store, open_ledger
 
 log = structlog.get_logger("extproc")
 _tasks: set[asyncio.Task[object]] = set()
@@ -78,7 +78,9 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
         except ValueError as exc:
             raise StartupError(f"cannot use the store {settings.store!r}: {exc}") from None
         await ledger.start()
-    controller = Controller(policy, metrics, rng=rng, ledger=ledger)
+    # Tenant budgets, the retry budget and fair shares: the fleet's, through the store (or each replica's).
+    budgets = budget_store(ledger) if settings.store_share_fleet else None
+    controller = Controller(policy, metrics, rng=rng, ledger=ledger, budgets=budgets)
     processor = ExternalProcessor(controller, log_key=settings.log_key)
     controller.on_reconfigure.append(lambda _: processor.reconfigure())
     registry.register(SaturationCollector(controller.saturation, controller.now))
@@ -105,7 +107,8 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
     edge_metrics = RateLimitMetrics(registry, metrics.saturation_rejections)
     ratelimit = RateLimitService(ControllerPressure(controller), edge_metrics,
                                  lambda: controller.policy.ratelimit, rng=rng,
-                                 permit_retry=controller.permit_retry, log_key=settings.log_key)
+                                 permit_retry=controller.permit_retry, log_key=settings.log_key,
+                                 store=budgets)
     add_ratelimit_service(ratelimit, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

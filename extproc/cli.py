@@ -63,7 +63,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                         watch_interval_s=args.watch_interval,
                         store=args.store or None, store_fail_open=args.store_fail == "open",
                         store_ttl_s=args.store_ttl, store_prefix=args.store_prefix,
-                        store_fleet_size=args.store_fleet_size,
+                        store_fleet_size=args.store_fleet_size, store_share_fleet=args.store_share == "fleet",
                         admin_hosts=tuple(h.strip() for h in args.admin_hosts.split(",") if h.strip()),
                         metrics_token=metrics_token, log_key=log_key.encode() if log_key else None)
     try:
@@ -182,6 +182,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="how many replicas share the store: one that starts while the store is "
                        "unreachable takes only 1/N of the limits, not all of them (env "
                        "EXTPROC_STORE_FLEET_SIZE; default %(default)s)")
+    serve.add_argument("--store-share", choices=["fleet", "replica"], default=env("STORE_SHARE", "fleet"),
+                       help="with a store, tenant budgets, the retry budget and tenants' fair shares are one "
+                       "for the fleet (fleet) or each replica's own (replica: as before they were shared) "
+                       "(env EXTPROC_STORE_SHARE; default %(default)s)")
     serve.add_argument("--store-ttl", type=float, default=float(env("STORE_TTL", "15")), metavar="SECONDS",
                        help="lease lifetime: how long a dead replica's slots stay taken "
                        "(default %(default)s)")

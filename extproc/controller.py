@@ -29,10 +29,11 @@ from extproc.core.drain import FleetRate
 from extproc.core.estimate import Job
 from extproc.core.gatekeeper import Gatekeeper
 from extproc.core.recent import ADMIT, REJECT, SHADOW, Recent
+from extproc.core.retry_budget import SLOTS
 from extproc.core.saturation import Effect, Reading
 from extproc.metrics import Metrics
 from extproc.policy.schema import Policy
-from extproc.state import GlobalView, LaneLimits, Ledger, Limits
+from extproc.state import BudgetStore, GlobalView, LaneLimits, Ledger, LedgerUnavailable, Limits
 from extproc.state.cluster import RefusalBackoff, others
 
 log = structlog.get_logger("extproc")
@@ -40,7 +41,8 @@ log = structlog.get_logger("extproc")
 
 class Controller:
     def __init__(self, policy: Policy, metrics: Metrics, *, clock: Callable[[], float] = time.monotonic,
-                 rng: random.Random | None = None, ledger: Ledger | None = None) -> None:
+                 rng: random.Random | None = None, ledger: Ledger | None = None,
+                 budgets: BudgetStore | None = None) -> None:
         self.gate = Gatekeeper(policy, rng, clock())
         self.scheduler = self.gate.scheduler
         #: With a shared store the fleet limit (auto) is agreed there; this replica sets it while it leads.
@@ -67,6 +69,10 @@ class Controller:
         self.retry_budget = self.gate.retry_budget
         #: The shared slot ledger when several replicas enforce one set of limits (None: alone).
         self.ledger = ledger
+        #: Where the fleet's retry budget is counted (None: this replica's budget is its own).
+        self.budgets = budgets
+        #: Work (predicted seconds) this replica served since it last told the store, by lane and tenant.
+        self._served: dict[tuple[str, str], float] = {}
         self._limits = Limits.of(self.gate.policy)
         self._leased: dict[int, Ticket] = {}
         self._lease_tasks: set[asyncio.Task[None]] = set()
@@ -274,6 +280,9 @@ class Controller:
                 self._spawn(self._give_back(ticket))
             return decision
         if verdict:
+            if self.budgets is not None:
+                key = (lane, ticket.tenant)
+                self._served[key] = self._served.get(key, 0.0) + ticket.predicted
             self._leased[ticket.id] = ticket
             self._count_lease(lane, 1)
             self._backoff.granted(lane)
@@ -353,6 +362,8 @@ class Controller:
             self._capacity_changed()
         view = await ledger.view()
         self.view = view
+        await self._sync_retry_budget()
+        await self._sync_served([(lane, tenant) for lane, per in tenants.items() for tenant in per])
         mine: dict[str, int] = {}
         for ticket in self._leased.values():
             mine[ticket.lane] = mine.get(ticket.lane, 0) + 1
@@ -374,6 +385,33 @@ class Controller:
             if due:
                 self._settle(scheduler.unblock(now, due))
         self._update_idle()
+
+    async def _sync_served(self, queued: list[tuple[str, str]]) -> None:
+        """Tell the fleet's store the work this replica served; charge the fair queues what the other
+        replicas served (so tenants' shares follow their weights fleet-wide)."""
+        store = self.budgets
+        if store is None:
+            return
+        served, self._served = self._served, {}
+        try:
+            others = await store.served(served, queued)
+        except LedgerUnavailable:
+            return  # each replica is fair on its own meanwhile
+        self.scheduler.charge_others(others)
+
+    async def _sync_retry_budget(self) -> None:
+        """Tell the fleet's store this replica's new retry-budget counts; read the others'."""
+        store = self.budgets
+        if store is None or not self.policy.retry_budget.enabled:
+            return
+        budget = self.gate.retry_budget
+        deposits, withdrawals = budget.unsent()
+        try:
+            others = await store.retry_counts(deposits, withdrawals, budget.window_s, SLOTS)
+        except LedgerUnavailable:
+            budget.alone(store.fleet_size, closed=not store.fail_open)
+            return
+        budget.fleet(*others)
 
     # -- internals --------------------------------------------------------------------
 

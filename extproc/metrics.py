@@ -291,6 +291,11 @@ class RateLimitMetrics:
             "extproc_ratelimit_errors", "ShouldRateLimit calls that failed (Envoy then applies its failure "
             "mode).", registry=registry,
         )
+        self.budget_alone = Counter(
+            "extproc_ratelimit_budget_alone", "Tenant budget operations decided without the fleet's shared "
+            "store (it was unreachable): with this replica's part of the budget, or refused (fail_closed).",
+            registry=registry,
+        )
         self.decisions_of = Children(self.decisions)
 
     def watch(self, sizes: Callable[[], Mapping[str, int]]) -> None:

@@ -52,6 +52,9 @@ class Settings:
     """How many replicas share the store: while the store is unreachable and this replica has seen
     fewer alive (it started during the outage), it takes only the smallest of this many parts."""
     store_prefix: str = "extproc"
+    store_share_fleet: bool = True
+    """With a store: tenant budgets, the retry budget and tenants' fair shares are one for the whole
+    fleet (False: each replica keeps its own, as before they were shared; for comparison)."""
     admin_hosts: tuple[str, ...] = ()
     """Host names the admin port answers to besides its own address and loopback's (DNS rebinding)."""
     metrics_token: str | None = None

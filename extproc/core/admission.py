@@ -253,6 +253,8 @@ class Scheduler:
         # A fresh entry at the same rank: the old one may still sit, withdrawn, in the queue's heap.
         ticket.entry = Entry(ticket.id, ticket.tenant, ticket.arrival, ticket.deadline, ticket.predicted,
                              self.rank(ticket))
+        # Not served after all: its tenant's fair-queuing charge is given back.
+        self._queues[ticket.lane].refund(ticket.entry)
         self._queues[ticket.lane].push(ticket.entry)
         self._tickets_by_entry[ticket.id] = ticket
         heapq.heappush(self._deadlines, (ticket.deadline, ticket.id, ticket))
@@ -268,6 +270,14 @@ class Scheduler:
         if lane is not None and lane.sjf_weight is not None:
             weight = lane.sjf_weight
         return rank_of(ticket.arrival, ticket.deadline, ticket.predicted, weight)
+
+    def charge_others(self, served: Mapping[tuple[str, str], float]) -> None:
+        """Work (predicted seconds, by lane and tenant) other replicas served since the last call:
+        each lane's fair queue counts it, so tenants' shares hold fleet-wide."""
+        for (lane, tenant), seconds in served.items():
+            queue = self._queues.get(lane)
+            if queue is not None:
+                queue.charge(tenant, seconds)
 
     def heads(self) -> dict[str, float]:
         """Each lane's best-placed queued request's rank (lanes with nothing queued are absent)."""

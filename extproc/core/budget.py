@@ -60,13 +60,26 @@ class _Bucket:
         self.at = max(self.at, now)
 
 
-def _verdict(allowed: bool, level: float, need: float, rate: Rate) -> Verdict:
+def verdict(allowed: bool, level: float, need: float, rate: Rate) -> Verdict:
+    """The verdict of a call that left ``level`` in a bucket of ``rate`` (``need``: what it asked
+    for; a charge asks for one unit). A shared store answers with levels; this makes them verdicts."""
     wait = 0.0 if allowed else max(need - level, 0.0) / rate.per_second
     return Verdict(allowed, level, wait, max(rate.burst - level, 0.0) / rate.per_second)
 
 
+def part(rate: Rate, replicas: int) -> Rate:
+    """One replica's part of a budget ``replicas`` share without talking (a store outage): the rate
+    and the burst divided, the burst never below one unit (a request must fit)."""
+    if replicas <= 1:
+        return rate
+    return Rate(rate.per_second / replicas, max(rate.burst / replicas, 1.0))
+
+
 class Budget:
-    """Token buckets by key, at most ``max_keys`` of them."""
+    """Token buckets by key, at most ``max_keys`` of them.
+
+    ``bucket.lua`` (the fleet's shared buckets in Redis) does the same arithmetic; a conformance
+    test holds the two to the same levels over random operations."""
 
     def __init__(self, max_keys: int) -> None:
         if max_keys < 1:
@@ -93,10 +106,10 @@ class Budget:
         bucket = self._buckets.get(key)
         if bucket is None:
             # Never seen (or evicted): full. Nothing is stored for a mere look.
-            return _verdict(need <= rate.burst, rate.burst, need, rate)
+            return verdict(need <= rate.burst, rate.burst, need, rate)
         bucket.refill(rate, now)
         self._buckets.move_to_end(key)
-        return _verdict(bucket.level >= need, bucket.level, need, rate)
+        return verdict(bucket.level >= need, bucket.level, need, rate)
 
     def take(self, key: str, rate: Rate, amount: float, now: float) -> Verdict:
         """Take ``amount`` units if they are all there; otherwise take nothing."""
@@ -104,14 +117,24 @@ class Budget:
         allowed = bucket.level >= amount
         if allowed:
             bucket.level -= amount
-        return _verdict(allowed, bucket.level, amount, rate)
+        return verdict(allowed, bucket.level, amount, rate)
 
     def charge(self, key: str, rate: Rate, amount: float, now: float) -> Verdict:
         """Take ``amount`` units whatever the level: what was used is used. ``allowed`` says
         whether at least one unit is left afterwards."""
         bucket = self._bucket(key, rate, now)
         bucket.level -= max(amount, 0.0)
-        return _verdict(bucket.level >= 1.0, bucket.level, 1.0, rate)
+        return verdict(bucket.level >= 1.0, bucket.level, 1.0, rate)
+
+    def apply(self, op: str, key: str, rate: Rate, amount: float, now: float) -> Verdict:
+        """``check``, ``take`` or ``charge`` by name (the operations a shared store is sent)."""
+        if op == "take":
+            return self.take(key, rate, amount, now)
+        if op == "charge":
+            return self.charge(key, rate, amount, now)
+        if op == "check":
+            return self.check(key, rate, amount, now)
+        raise ValueError(f"unknown budget operation {op!r}")
 
     def _bucket(self, key: str, rate: Rate, now: float) -> _Bucket:
         bucket = self._buckets.get(key)

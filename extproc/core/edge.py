@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -205,6 +205,37 @@ def judge(lane: str, tenant: str, checks: list[Check], *, shadow: bool = False) 
     return Judgement(lane, tenant, status, over, shadow)
 
 
+#: The budget kinds.
+TOKENS = "tokens"
+REQUESTS = "requests"
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """One budget operation an arrival (or a usage report) needs."""
+
+    kind: str
+    """``tokens`` or ``requests``."""
+    tenant: str
+    rate: Rate
+    amount: float
+    op: str
+    """``check``, ``take`` (all or nothing) or ``charge`` (may go into debt): ``Budget.apply``."""
+    limit: int
+    tenant_limit: TenantLimit
+
+
+@dataclass(frozen=True, slots=True)
+class Assessment:
+    """An arrival judged but for its tenant's budgets (``Edge.assess``)."""
+
+    lane: str
+    tenant: str
+    checks: tuple[Check, ...]
+    asks: tuple[Ask, ...]
+    shadow: bool
+
+
 @dataclass(frozen=True, slots=True)
 class Shed:
     """An OVER_LIMIT answer: what the client sees, and the saturation rule behind it (if any)."""
@@ -225,6 +256,9 @@ class Edge:
         self._intake: Intake | None = None
         self.requests = Budget(max_tenants)
         self.tokens = Budget(max_tenants)
+        #: True when a fleet's shared store keeps the budgets: charges are queued in ``charges``.
+        self.shared = False
+        self.charges: list[Ask] = []
 
     def _intake_of(self, policy: Policy) -> Intake:
         intake = self._intake
@@ -245,7 +279,24 @@ class Edge:
             self.tokens.resize(config.budgets.max_tenants)
 
     def judge(self, config: RateLimit, entries: Mapping[str, str], hits: int, now: float) -> Judgement:
-        """The decision on one arrival descriptor (``hits``: the requests it stands for)."""
+        """The decision on one arrival descriptor (``hits``: the requests it stands for), with this
+        edge's own budgets."""
+        assessment = self.assess(config, entries, hits, now)
+        return self.conclude(assessment, self.settle(assessment.asks, now))
+
+    def settle(self, asks: Sequence[Ask], now: float) -> list[Verdict]:
+        """``asks`` against this edge's own budgets, in order (the rule of ``bucket.lua``: a take
+        after a refusal only checks)."""
+        verdicts: list[Verdict] = []
+        for ask in asks:
+            op = "check" if ask.op == "take" and any(not v.allowed for v in verdicts) else ask.op
+            budget = self.tokens if ask.kind == TOKENS else self.requests
+            verdicts.append(budget.apply(op, ask.tenant, ask.rate, ask.amount, now))
+        return verdicts
+
+    def assess(self, config: RateLimit, entries: Mapping[str, str], hits: int, now: float) -> Assessment:
+        """Everything about one arrival but its tenant's budgets: its lanes' checks, and the budget
+        operations it needs (``asks``, in order), for this edge's budgets or a shared store."""
         self._sized(config)
         policy = self.pressure.policy
         tenant, candidates = self.request(entries)
@@ -275,31 +326,44 @@ class Edge:
             open_lanes = [c for c in lane_checks if not c.over]
             checks.append(open_lanes[0] if open_lanes else lane_checks[0])
         limits = config.budgets.of(tenant)
+        asks: list[Ask] = []
         if limits.tokens is not None:
-            rate = rate_of(limits.tokens, limits)
-            checks.append(budget_check("tenant_tokens", Reason.TENANT_TOKENS, limits.tokens, limits,
-                                       self.tokens.check(tenant, rate, 1.0, now)))
+            # In debt: shed. Only looked at: tokens are charged when the response has used them.
+            asks.append(Ask(TOKENS, tenant, rate_of(limits.tokens, limits), 1.0, "check", limits.tokens,
+                            limits))
         if limits.requests is not None:
-            rate = rate_of(limits.requests, limits)
             # Taken only when nothing else refuses the request: a refused request costs nothing.
-            if any(c.over for c in checks):
-                verdict = self.requests.check(tenant, rate, hits, now)
-            else:
-                verdict = self.requests.take(tenant, rate, hits, now)
-            checks.append(budget_check("tenant_requests", Reason.TENANT_REQUESTS, limits.requests,
-                                       limits, verdict))
+            op = "check" if any(c.over for c in checks) else "take"
+            asks.append(Ask(REQUESTS, tenant, rate_of(limits.requests, limits), float(hits), op,
+                            limits.requests, limits))
         lane = candidates[0] if len(candidates) == 1 else ANY_LANE
+        return Assessment(lane, tenant, tuple(checks), tuple(asks), shadow)
+
+    def conclude(self, assessment: Assessment, verdicts: Sequence[Verdict]) -> Judgement:
+        """The judgement, once the budgets answered ``assessment.asks`` (one verdict each, in order)."""
+        checks = list(assessment.checks)
+        for ask, verdict in zip(assessment.asks, verdicts, strict=True):
+            name, reason = ("tenant_tokens", Reason.TENANT_TOKENS) if ask.kind == TOKENS \
+                else ("tenant_requests", Reason.TENANT_REQUESTS)
+            checks.append(budget_check(name, reason, ask.limit, ask.tenant_limit, verdict))
         if not checks:
             checks.append(Check(False, None, "none", 0, None, UNLIMITED, 0.0))
-        return judge(lane, tenant, checks, shadow=shadow)
+        return judge(assessment.lane, assessment.tenant, checks, shadow=assessment.shadow)
 
     def charge(self, config: RateLimit, entries: Mapping[str, str], tokens: int, now: float) -> str:
-        """Charge reported token usage to the request's tenant; returns the tenant."""
+        """Charge reported token usage to the request's tenant; returns the tenant.
+
+        With ``shared`` set, the charge is not applied here but queued in ``charges`` (the adapter
+        sends them to the fleet's store)."""
         self._sized(config)
         tenant, _ = self.request(entries)
         limits = config.budgets.of(tenant)
         if limits.tokens is not None and tokens > 0:
-            self.tokens.charge(tenant, rate_of(limits.tokens, limits), tokens, now)
+            rate = rate_of(limits.tokens, limits)
+            if self.shared:
+                self.charges.append(Ask(TOKENS, tenant, rate, float(tokens), "charge", limits.tokens, limits))
+            else:
+                self.tokens.charge(tenant, rate, tokens, now)
         return tenant
 
     def shed(self, shed: list[Judgement], permit_retry: Callable[[], bool] | None = None) -> Shed:

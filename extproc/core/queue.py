@@ -21,6 +21,11 @@ cannot save up credit; one whose queue emptied only for a moment keeps the charg
 it has not yet worked off (it is forgotten once the virtual time passes it), so
 it cannot shed its debt by keeping a single request queued. Shares are therefore
 proportional to weights in predicted GPU-seconds, not in request counts.
+
+Across a fleet, each replica's queue is also charged the work other replicas served for its
+tenants (``charge``): a tenant's virtual time then counts what it got fleet-wide, and every
+replica serves next the tenant furthest behind *in the fleet*, so shares follow the weights
+however the load balancer spreads the requests.
 """
 
 from __future__ import annotations
@@ -116,6 +121,20 @@ class LaneQueue:
         for name in [n for n, t in self._tenants.items() if t.size == 0 and t.vtime <= self._vtime]:
             del self._tenants[name]
         return entry
+
+    def charge(self, tenant: str, cost: float) -> None:
+        """Work (predicted seconds) other replicas served for ``tenant``: its virtual time advances as
+        if served here. A tenant this queue does not know rejoins at the current virtual time anyway."""
+        state = self._tenants.get(tenant)
+        if state is not None and cost > 0:
+            state.vtime += cost / self._weight(tenant)
+
+    def refund(self, entry: Entry) -> None:
+        """Undo what serving ``entry`` charged its tenant: it was not served after all (the shared
+        store refused its slot, and it goes back in the queue)."""
+        state = self._tenants.get(entry.tenant)
+        if state is not None:
+            state.vtime -= max(entry.predicted, _MIN_COST) / self._weight(entry.tenant)
 
     def remove(self, entry: Entry) -> bool:
         """Withdraw a queued entry (client gone, deadline passed, evicted)."""

@@ -16,6 +16,13 @@ Anthropic SDKs send ``x-stainless-retry-count`` (0 on the first attempt). A
 client that leaves the header out escapes the budget (its retries look like
 originals) but not admission, which treats every request alike.
 
+Across a fleet (a shared store), every replica counts its own deposits and withdrawals as
+they happen and learns the others' (``fleet``, from the store a few times a second): each
+decides on the fleet's balance, so the ratio and the floor hold for the fleet as a whole (up to
+what the others did since the last reading). While the store is unreachable each decides
+alone (``alone``): the ratio holds replica by replica anyway, the floor is split by the fleet
+size, and a store failing closed lets no retry through.
+
 Pure: every call takes ``now``; no I/O.
 """
 
@@ -62,6 +69,13 @@ class RetryBudget:
         self._head: int | None = None
         #: When each outstanding reservation was made (oldest first).
         self._reserved: deque[float] = deque()
+        #: The other replicas' deposits and withdrawals in the window, as last read.
+        self._others = (0, 0)
+        #: This replica's part of the floor (1: the whole fleet decides on one balance).
+        self._floor_part = 1.0
+        self._closed = False
+        #: Deposits and withdrawals not yet told to the fleet's store.
+        self._new = [0, 0]
 
     @classmethod
     def of(cls, policy: RetryBudgetPolicy) -> RetryBudget:
@@ -78,6 +92,23 @@ class RetryBudget:
     def deposit(self, now: float) -> None:
         """An original request was admitted."""
         self._deposits[self._advance(now)] += 1
+        self._new[0] += 1
+
+    def unsent(self) -> tuple[int, int]:
+        """Deposits and withdrawals since the last call (what to add to the fleet's counts)."""
+        new, self._new = self._new, [0, 0]
+        return new[0], new[1]
+
+    def fleet(self, deposits: int, withdrawals: int) -> None:
+        """The other replicas' counts in the window, as the shared store just gave them."""
+        self._others = (max(deposits, 0), max(withdrawals, 0))
+        self._floor_part, self._closed = 1.0, False
+
+    def alone(self, fleet_size: int, *, closed: bool = False) -> None:
+        """The store is unreachable: decide on this replica's counts, with its part of the floor
+        (``1 / fleet_size``); ``closed``: let no retry through."""
+        self._others = (0, 0)
+        self._floor_part, self._closed = 1.0 / max(fleet_size, 1), closed
 
     def reserve(self, now: float) -> bool:
         """A rejection is about to tell its client it may retry: set one retry aside, if there is room.
@@ -91,6 +122,7 @@ class RetryBudget:
         if self._balance() < 1.0:
             return False
         self._withdrawals[slot] += 1
+        self._new[1] += 1
         self._reserved.append(now)
         return True
 
@@ -106,6 +138,7 @@ class RetryBudget:
         if self._balance() < 1.0:
             return False
         self._withdrawals[slot] += 1
+        self._new[1] += 1
         return True
 
     def balance(self, now: float) -> float:
@@ -114,8 +147,12 @@ class RetryBudget:
         return self._balance()
 
     def _balance(self) -> float:
-        allowed = self.ratio * sum(self._deposits) + self.min_per_second * self.window_s
-        return allowed - sum(self._withdrawals)
+        if self._closed:
+            return 0.0
+        deposits, withdrawals = self._others
+        allowed = (self.ratio * (sum(self._deposits) + deposits)
+                   + self._floor_part * self.min_per_second * self.window_s)
+        return allowed - sum(self._withdrawals) - withdrawals
 
     def _advance(self, now: float) -> int:
         """Rotate the ring up to ``now``; returns the slot that ``now`` falls in."""

@@ -15,10 +15,18 @@ headers. A lane's status counts places (slots + queue places before the edge
 sheds) rather than a rate, so it has no unit and its header no window. An
 OVER_LIMIT answer is rendered like every refusal (``core.decision.reject``). In
 shadow mode everything is decided and counted, but the answer is always a plain OK.
+
+With a fleet's shared store (``store``), tenant budgets are one per tenant for the whole fleet:
+each arrival's budget operations (``Edge.assess``) go to the store in one atomic script, and
+its answer (the levels) becomes the verdicts (``core.budget.verdict``); usage charges are queued
+by the edge and sent in the background, off the request's path. While the store is unreachable
+the replica decides alone: failing open with its part (``1 / fleet size``) of every budget,
+failing closed refusing every request that has a budget.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
 import secrets
@@ -33,10 +41,11 @@ from envoy.service.ratelimit.v3 import rls_pb2 as pb
 from envoy.service.ratelimit.v3 import rls_pb2_grpc as pb_grpc
 
 from extproc.controller import Controller
-from extproc.core.budget import Budget
+from extproc.core.budget import Budget, Verdict, part, verdict
 from extproc.core.edge import (
     ANY_LANE,
     UNLIMITED,
+    Ask,
     Check,
     Edge,
     Judgement,
@@ -48,6 +57,7 @@ from extproc.core.redaction import Redactor
 from extproc.core.usage import USAGE, USAGE_ENTRIES, Charge, charged
 from extproc.metrics import RateLimitMetrics
 from extproc.policy.ratelimit import RateLimit
+from extproc.state import BucketOp, BudgetStore, LedgerUnavailable
 
 SERVICE = "envoy.service.ratelimit.v3.RateLimitService"
 _UINT32 = UNLIMITED
@@ -84,7 +94,7 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
     def __init__(self, pressure: Pressure, metrics: RateLimitMetrics, config: Callable[[], RateLimit], *,
                  clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None,
                  permit_retry: Callable[[], bool] | None = None, log_key: bytes | None = None,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time, store: BudgetStore | None = None) -> None:
         self.pressure = pressure
         #: Reserves a retry in ext_proc's retry budget for a shed that lets its client retry;
         #: False (no room) makes the shed say x-should-retry: false.
@@ -95,6 +105,13 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
         #: Epoch seconds: ext_proc records when it admitted a request in them (for an estimate).
         self.wall = wall
         self.edge = Edge(pressure, rng, config().budgets.max_tenants)
+        #: The fleet's shared budgets (None: this replica's own, in memory). While it is unreachable,
+        #: the edge's own budgets hold this replica's part.
+        self.store = store
+        self.edge.shared = store is not None
+        self.alone = False
+        """Whether the last budget decision was taken without the store."""
+        self._flushing: set[asyncio.Task[None]] = set()
         self._redactor: Redactor | None = None
         self._log_key = log_key or secrets.token_bytes(32)
         self._warned: set[str] = set()
@@ -112,13 +129,80 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
     async def ShouldRateLimit(self, request: pb.RateLimitRequest,
                               context: grpc.aio.ServicerContext[Any, Any]) -> pb.RateLimitResponse:
         try:
+            if self.store is not None:
+                return await self.decide_shared(request)
             return self.decide(request)
         except Exception:
             self.metrics.errors.inc()
             self.log.exception("rate limit decision failed")
             raise
 
-    def decide(self, request: pb.RateLimitRequest) -> pb.RateLimitResponse:
+    async def decide_shared(self, request: pb.RateLimitRequest) -> pb.RateLimitResponse:
+        """``decide`` with the fleet's budgets: every arrival's budget operations in one store call."""
+        config = self.config()
+        judged: dict[int, Judgement] = {}
+        if config.mode != "off" and request.domain == config.domain:
+            now = self.now()
+            assessed = []
+            for i, descriptor in enumerate(request.descriptors):
+                entries = _entries(descriptor)
+                if entries.get("generic_key") != config.request_descriptor:
+                    continue
+                explicit = descriptor.HasField("hits_addend")
+                hits = descriptor.hits_addend.value if explicit else request.hits_addend
+                assessed.append((i, self.edge.assess(config, entries, hits if explicit or hits else 1, now)))
+            asks = [ask for _, assessment in assessed for ask in assessment.asks]
+            verdicts = iter(await self._settle(asks, now) if asks else [])
+            for i, assessment in assessed:
+                judged[i] = self.edge.conclude(assessment, [next(verdicts) for _ in assessment.asks])
+        response = self.decide(request, judged)
+        if self.edge.charges:
+            task = asyncio.get_running_loop().create_task(self._flush())
+            self._flushing.add(task)
+            task.add_done_callback(self._flushing.discard)
+        return response
+
+    async def _settle(self, asks: list[Ask], now: float) -> list[Verdict]:
+        """``asks`` against the fleet's buckets; alone (see the module docstring) if unreachable."""
+        store = self.store
+        assert store is not None
+        ops = [BucketOp(f"{ask.kind}:{ask.tenant}", ask.op, ask.rate.per_second, ask.rate.burst, ask.amount)
+               for ask in asks]
+        try:
+            levels = await store.buckets(ops)
+        except LedgerUnavailable:
+            return self._settle_alone(store, asks, now)
+        if self.alone:
+            self.alone = False
+            self.log.info("tenant budgets shared again")
+        return [verdict(level.allowed, level.level, 1.0 if ask.op == "charge" else ask.amount, ask.rate)
+                for ask, level in zip(asks, levels, strict=True)]
+
+    def _settle_alone(self, store: BudgetStore, asks: list[Ask], now: float) -> list[Verdict]:
+        if not self.alone:
+            self.alone = True
+            self.log.warning("tenant budgets decided without the shared store", fleet_size=store.fleet_size,
+                             mode="fail_open" if store.fail_open else "fail_closed")
+        self.metrics.budget_alone.inc(len(asks))
+        if not store.fail_open:
+            # Nothing is known of what the fleet spent: refuse, and say when to look again.
+            return [Verdict(ask.op == "charge", 0.0, 1.0, 0.0) for ask in asks]
+        parts = [Ask(ask.kind, ask.tenant, part(ask.rate, store.fleet_size), ask.amount, ask.op, ask.limit,
+                     ask.tenant_limit) for ask in asks]
+        return self.edge.settle(parts, now)
+
+    async def _flush(self) -> None:
+        """Send the queued usage charges (one store call for all of them)."""
+        charges, self.edge.charges = self.edge.charges, []
+        if charges:
+            try:
+                await self._settle(charges, self.now())
+            except Exception:
+                self.log.warning("could not charge token usage", exc_info=True)
+
+    def decide(self, request: pb.RateLimitRequest, judged: Mapping[int, Judgement] | None = None
+               ) -> pb.RateLimitResponse:
+        """Answer one request (``judged``: arrival descriptors already judged, by index)."""
         config = self.config()
         response = pb.RateLimitResponse(overall_code=pb.RateLimitResponse.OK)
         if config.mode == "off" or request.domain != config.domain:
@@ -129,7 +213,7 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
             return response
         now = self.now()
         shed: list[Judgement] = []
-        for descriptor in request.descriptors:
+        for i, descriptor in enumerate(request.descriptors):
             entries = _entries(descriptor)
             kind = entries.get("generic_key")
             status = response.statuses.add(code=pb.RateLimitResponse.OK)
@@ -138,7 +222,8 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
             if kind == config.usage_descriptor:
                 self._usage(config, entries, hits if explicit or hits else 0, now)
             elif kind == config.request_descriptor:
-                judgement = self.edge.judge(config, entries, hits if explicit or hits else 1, now)
+                judgement = judged[i] if judged is not None and i in judged \
+                    else self.edge.judge(config, entries, hits if explicit or hits else 1, now)
                 self._count(judgement, entries)
                 if judgement.shadow:
                     if judgement.over:

@@ -22,7 +22,7 @@ while Redis is unreachable). :func:`extproc.state.store.open_ledger` picks one f
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Protocol
@@ -265,6 +265,59 @@ class GlobalView:
     completed: Mapping[str, int] = field(default_factory=dict)
     """Requests completed per lane over every replica since the store started (counters: the
     fleet's drain rate is their change over time). Empty while the store is unreachable."""
+
+
+@dataclass(frozen=True, slots=True)
+class BucketOp:
+    """One operation on a shared tenant bucket (the arithmetic is ``extproc.core.budget.Budget``'s).
+
+    ``op``: ``check`` (is ``amount`` there?), ``take`` (all or nothing; only checks when an earlier
+    operation of the same call was refused) or ``charge`` (whatever the level; may go into debt).
+    """
+
+    key: str
+    """The bucket's name in the store (``<kind>:<tenant>``)."""
+    op: str
+    per_second: float
+    burst: float
+    amount: float
+
+
+@dataclass(frozen=True, slots=True)
+class Level:
+    """A shared bucket after one operation."""
+
+    allowed: bool
+    level: float
+
+
+class BudgetStore(Protocol):
+    """Fleet-wide tenant buckets and retry-budget counts. Every call raises ``LedgerUnavailable`` at
+    once while the store is unreachable; the caller then decides alone (``fail_open``: with its
+    part, ``1 / fleet_size``, of each budget; otherwise refusing)."""
+
+    @property
+    def fail_open(self) -> bool: ...
+
+    @property
+    def fleet_size(self) -> int: ...
+
+    async def buckets(self, ops: Sequence[BucketOp], now: float | None = None) -> list[Level]:
+        """Apply ``ops`` in order, atomically; ``now`` (seconds) for tests, else the store's clock."""
+        ...
+
+    async def retry_counts(self, deposits: int, withdrawals: int, window_s: float, slots: int
+                           ) -> tuple[int, int]:
+        """Add this replica's new deposits and withdrawals; the *other* replicas' counts in the window."""
+        ...
+
+    async def served(self, work: Mapping[tuple[str, str], float],
+                     queued: Iterable[tuple[str, str]] = ()) -> dict[tuple[str, str], float]:
+        """Add the work this replica served since its last call (predicted seconds by lane and
+        tenant); the work the *other* replicas served meanwhile for the ``queued`` (lane, tenant)
+        pairs (those this replica has waiting: the fair queues' shared part). A pair read for the
+        first time, or again after a gap, is a baseline: nothing to charge yet."""
+        ...
 
 
 FreedCallback = Callable[[str], None]

@@ -33,13 +33,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
 import structlog
 
-from extproc.state import ALL_LANES, FreedCallback, GlobalView, LedgerUnavailable, Limits, Verdict
+from extproc.state import (
+    ALL_LANES,
+    BucketOp,
+    FreedCallback,
+    GlobalView,
+    LedgerUnavailable,
+    Level,
+    Limits,
+    Verdict,
+)
 from extproc.state.redis import RedisLedger
 
 log = structlog.get_logger("extproc")
@@ -241,6 +250,29 @@ class FallbackLedger:
         queued, heads, tenants = self.primary.queue
         return GlobalView(self.primary.held, queued, heads, tenants, replicas=max(len(self.primary.alive), 1),
                           degraded=True, reason=self.reason)
+
+    # -- fleet-wide budgets: through Redis, or LedgerUnavailable at once while it is away ----------
+
+    @property
+    def fail_open(self) -> bool:
+        return self.mode is FailMode.OPEN
+
+    async def buckets(self, ops: Sequence[BucketOp], now: float | None = None) -> list[Level]:
+        if self.degraded:
+            raise LedgerUnavailable(self.reason or "redis unavailable")
+        return await self.primary.buckets(ops, now)
+
+    async def retry_counts(self, deposits: int, withdrawals: int, window_s: float, slots: int
+                           ) -> tuple[int, int]:
+        if self.degraded:
+            raise LedgerUnavailable(self.reason or "redis unavailable")
+        return await self.primary.retry_counts(deposits, withdrawals, window_s, slots)
+
+    async def served(self, work: Mapping[tuple[str, str], float],
+                     queued: Iterable[tuple[str, str]] = ()) -> dict[tuple[str, str], float]:
+        if self.degraded:
+            raise LedgerUnavailable(self.reason or "redis unavailable")
+        return await self.primary.served(work, queued)
 
     def alone(self, limits: Limits) -> Limits | None:
         if not self.degraded:

@@ -13,6 +13,13 @@ under one hash tag ``{prefix}`` (one Redis Cluster slot), every one declared to 
   ``<replica>|t`` → ``{lane: {tenant: queued}}``; present only while the replica has requests
   queued, dropped with its liveness mark.
 * ``{prefix}:lanes`` — set of lane names (so ``view`` knows which lease keys to read).
+* ``{prefix}:budget:<kind>:<tenant>`` — hash (``level``, ``at``): a tenant's bucket of the fleet
+  (``bucket.lua``, the arithmetic of ``core.budget.Budget``); kept only while below full, its TTL
+  the time it takes to refill.
+* ``{prefix}:retry`` — hash, ``d:<slot>:<replica>`` / ``w:<slot>:<replica>`` → the retry budget's
+  deposits and withdrawals per slot of the window (``retry.lua``); fields leave with the window.
+* ``{prefix}:served`` — hash, ``<lane>|<tenant>`` → predicted seconds served fleet-wide (``served.lua``):
+  what the fair queues share.
 * channel ``{prefix}:freed`` — a lane name when a slot of it may have freed, ``*`` for all.
   A release publishes only while some replica has requests queued (nobody else needs it).
 
@@ -40,7 +47,7 @@ import asyncio
 import contextlib
 import json
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, TypeVar
@@ -58,9 +65,11 @@ from extproc.state import (
     LEASE_TTL,
     QUEUE_TTL,
     RANK_TOLERANCE,
+    BucketOp,
     FreedCallback,
     GlobalView,
     LedgerUnavailable,
+    Level,
     Limits,
     Verdict,
     summary_changes,
@@ -70,8 +79,15 @@ from extproc.state import (
 _SENTINEL_PORT = 26379
 _T = TypeVar("_T")
 #: Scripts of the decision path, sent in shared pipelines (the heartbeat and the view go alone).
-_BATCHED = frozenset({"acquire", "release", "queue"})
+_BATCHED = frozenset({"acquire", "release", "queue", "bucket"})
 _MAX_BATCH = 256
+#: The longest a tenant bucket below full lives unused (ms): bounds what a debt-ridden tenant that
+#: never comes back costs (its bucket then comes back full). Seven days.
+_BUCKET_IDLE_MS = str(7 * 86_400_000)
+#: The fleet's served-work totals live this long after the last replica's call (ms), and hold at
+#: most this many lane/tenant fields.
+_SERVED_TTL_MS = str(3_600_000)
+_SERVED_MAX_FIELDS = 100_000
 
 
 @dataclass(slots=True)
@@ -180,6 +196,10 @@ class RedisLedger:
         self._leader_key = f"{tag}:limit:leader"
         self._limit_key = f"{tag}:limit"
         self._done_key = f"{tag}:done"
+        self._retry_key = f"{tag}:retry"
+        self._served_key = f"{tag}:served"
+        #: The fleet's served totals as last read (field -> seconds), to tell the others' part.
+        self._served_seen: dict[str, float] = {}
         self.channel = f"{tag}:freed"
         self._ttl_ms = str(max(int(ttl * 1000), 1))
         self._queue_ttl_ms = str(max(int(queue_ttl * 1000), 1))
@@ -368,7 +388,8 @@ class RedisLedger:
         background tasks keep trying)."""
         self._loop = asyncio.get_running_loop()
         self._client = self._connect(self.timeout, self.pool_size)
-        for name in ("acquire", "release", "heartbeat", "queue", "view", "limit"):
+        for name in ("acquire", "release", "heartbeat", "queue", "view", "limit", "bucket", "retry",
+                     "served"):
             self._scripts[name] = self._client.register_script(_script(f"{name}.lua"))
         self._tasks.append(asyncio.create_task(self._listen(), name=f"ledger-listen-{self.replica}"))
         if self._renew:
@@ -597,6 +618,64 @@ class RedisLedger:
         leads, limit = await self._run("limit", [self._leader_key, self._limit_key],
                                        [self.replica, str(proposal), self._queue_ttl_ms])
         return int(limit), bool(leads)
+
+    # -- fleet-wide budgets -------------------------------------------------------------------
+
+    #: Bare, an outage raises (``FallbackLedger`` decides what then).
+    fail_open = False
+    fleet_size = 1
+
+
+    def budget_key(self, name: str) -> str:
+        """The Redis key of the bucket named ``name`` (``<kind>:<tenant>``)."""
+        return f"{self._tag}:budget:{name}"
+
+    async def buckets(self, ops: Sequence[BucketOp], now: float | None = None) -> list[Level]:
+        """``bucket.lua``: the operations in order, in one atomic script (one round trip, shared
+        with other decisions when every connection is busy)."""
+        if not ops:
+            return []
+        args: list[str | bytes] = ["" if now is None else repr(now)]
+        for item in ops:
+            args += [item.op, repr(item.per_second), repr(item.burst), repr(item.amount), _BUCKET_IDLE_MS]
+        answer = await self._run("bucket", [self.budget_key(item.key) for item in ops], args)
+        try:
+            return [Level(bool(int(allowed)), float(level)) for allowed, level in answer]
+        except (TypeError, ValueError) as exc:
+            raise LedgerUnavailable(f"redis {self.target.describe()}: bad bucket answer {answer!r}") from exc
+
+    async def retry_counts(self, deposits: int, withdrawals: int, window_s: float, slots: int,
+                           now_ms: int | None = None) -> tuple[int, int]:
+        width = max(int(window_s * 1000 / slots), 1)
+        answer = await self._run("retry", [self._retry_key], [
+            self.replica, str(width), str(slots), str(deposits), str(withdrawals),
+            "" if now_ms is None else str(now_ms)])
+        return int(answer[0]), int(answer[1])
+
+    async def served(self, work: Mapping[tuple[str, str], float],
+                     queued: Iterable[tuple[str, str]] = ()) -> dict[tuple[str, str], float]:
+        fields = {f"{lane}|{tenant}": seconds for (lane, tenant), seconds in work.items()
+                  if seconds > 0}
+        wanted = sorted({f"{lane}|{tenant}" for lane, tenant in queued})
+        args: list[str | bytes] = [_SERVED_TTL_MS, str(_SERVED_MAX_FIELDS), str(len(fields))]
+        for field, seconds in fields.items():
+            args += [field, repr(seconds)]
+        args += wanted
+        values = await self._run("served", [self._served_key], args)
+        totals: dict[str, float] = {}
+        for field, value in zip(wanted, values, strict=True):
+            with contextlib.suppress(TypeError, ValueError):
+                totals[field] = float(value)
+        seen, self._served_seen = self._served_seen, totals
+        others: dict[tuple[str, str], float] = {}
+        for field, total in totals.items():
+            if field not in seen:
+                continue  # newly read: a baseline, not work to charge
+            delta = total - seen[field] - fields.get(field, 0.0)
+            lane, sep, tenant = field.partition("|")
+            if delta > 1e-9 and sep:
+                others[(lane, tenant)] = delta
+        return others
 
     async def view(self) -> GlobalView:
         remote = {str(name) for name in await self._io(lambda client: client.smembers(self._lanes_key))}

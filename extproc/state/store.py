@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from extproc.state import LEASE_TTL, Ledger
+from extproc.state import LEASE_TTL, BudgetStore, Ledger
 from extproc.state.fallback import FailMode, FallbackLedger
 from extproc.state.memory import MemoryLedger
 from extproc.state.redis import RedisLedger
@@ -21,3 +21,8 @@ def open_ledger(store: str | None = None, *, prefix: str = "extproc", fail_open:
     primary = RedisLedger(store, prefix=prefix, ttl=ttl, timeout=timeout)
     mode = FailMode.OPEN if fail_open else FailMode.CLOSED
     return FallbackLedger(primary, mode=mode, fleet_size=fleet_size)
+
+
+def budget_store(ledger: Ledger | None) -> BudgetStore | None:
+    """The fleet-wide budget store behind ``ledger`` (None: budgets stay per replica, in memory)."""
+    return ledger if isinstance(ledger, FallbackLedger | RedisLedger) else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -238,6 +239,27 @@ def test_dockerfile_copies_files_that_exist() -> None:
 
 
 SHIPPED_POLICIES = sorted((ROOT / "examples").glob("*.yaml")) + sorted((ROOT / "istio").rglob("policy.yaml"))
+
+
+def test_every_example_policy_passes_policy_check() -> None:
+    examples = sorted((ROOT / "examples").glob("*.yaml"))
+    result = subprocess.run([sys.executable, "-m", "extproc", "policy", "check", *map(str, examples)],
+                            capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count(": ok — ") == len(examples)
+
+
+def test_the_fleet_policy_says_its_fleet_size_and_how_to_run_it() -> None:
+    text = (ROOT / "examples" / "fleet-policy.yaml").read_text()
+    size = re.search(r"FLEET of N = (\d+) replicas", text)
+    assert size is not None
+    n = size.group(1)
+    assert f"--store-fleet-size {n}" in text
+    assert f"EXTPROC_STORE_FLEET_SIZE={n}" in text
+    policy = load_policy(ROOT / "examples" / "fleet-policy.yaml")
+    assert policy.ratelimit.budgets.any
+    assert policy.retry_budget.enabled
+    assert policy.tenants.weights
 
 
 def _allowed(patterns: list[dict[str, str]], header: str) -> bool:

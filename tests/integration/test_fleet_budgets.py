@@ -1,0 +1,161 @@
+"""Fleet-wide budgets against a real ``redis-server``: the tenant buckets of ``bucket.lua`` do the
+arithmetic of the pure ``Budget`` (same levels over random operations), replicas share one bucket
+per tenant, garbage in the keys is survived, and the retry window of ``retry.lua`` counts the
+other replicas' deposits and withdrawals within the window only."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import shutil
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+
+from extproc.core.budget import Budget, Rate
+from extproc.state import BucketOp, LedgerUnavailable
+from extproc.state.fallback import FailMode, FallbackLedger
+from extproc.state.redis import RedisLedger
+from tests.integration.test_state_redis import RedisServer, server, shared_server  # noqa: F401
+
+pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs Debian's redis-server")
+
+
+@pytest.fixture
+async def ledgers(shared_server: RedisServer) -> AsyncIterator[list[RedisLedger]]:  # noqa: F811
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    made = [RedisLedger(shared_server.url, prefix=prefix, renew=False, timeout=1.0) for _ in range(2)]
+    for ledger in made:
+        await ledger.start()
+    yield made
+    for ledger in made:
+        await ledger.close()
+
+
+async def test_the_lua_buckets_do_the_pure_budgets_arithmetic(ledgers: list[RedisLedger]) -> None:
+    """Random check/take/charge sequences on a few tenants, at random (increasing) times: every
+    answer's allowed and level equal the pure Budget's, to the last bit."""
+    rng = random.Random(18)
+    store = ledgers[0]
+    for round_ in range(6):
+        budget = Budget(100)
+        rates = {f"r{round_}-{i}": Rate(rng.choice([0.5, 2.0, 1 / 60, 30.0]),
+                                        rng.choice([1.0, 3.0, 10.0, 2.5])) for i in range(3)}
+        now = 1_000.0 + rng.random()
+        for _ in range(80):
+            now += rng.choice([0.0, 0.01, 0.3, 1.7, 40.0]) * rng.random()
+            ops = []
+            for _ in range(rng.choice([1, 1, 2])):
+                tenant = rng.choice(sorted(rates))
+                op = rng.choice(["check", "take", "take", "charge"])
+                amount = (float(rng.randint(0, 9)) if op == "charge"
+                          else rng.choice([1.0, 1.0, 2.0, 0.5, 7.0, 0.0]))
+                ops.append(BucketOp(tenant, op, rates[tenant].per_second, rates[tenant].burst, amount))
+            levels = await store.buckets(ops, now)
+            refused = False
+            for op, level in zip(ops, levels, strict=True):
+                name = "check" if op.op == "take" and refused else op.op
+                verdict = budget.apply(name, op.key, rates[op.key], op.amount, now)
+                refused = refused or not verdict.allowed
+                assert (level.allowed, level.level) == (verdict.allowed, verdict.remaining), (op, now)
+
+
+async def test_replicas_share_one_bucket_per_tenant(ledgers: list[RedisLedger]) -> None:
+    one, two = ledgers
+    rate = Rate(1 / 3600, 10.0)  # no refill to speak of within the test
+    op = BucketOp("requests:acme", "take", rate.per_second, rate.burst, 1.0)
+    taken = 0
+    for i in range(30):
+        [level] = await (one if i % 3 else two).buckets([op])
+        taken += level.allowed
+    assert taken == 10
+    [level] = await two.buckets([BucketOp("requests:other", "take", rate.per_second, rate.burst, 1.0)])
+    assert level.allowed  # another tenant's bucket is its own
+
+
+async def test_a_full_bucket_costs_no_key_and_a_debt_expires(ledgers: list[RedisLedger],
+                                                            shared_server: RedisServer) -> None:  # noqa: F811
+    store = ledgers[0]
+    client = shared_server.client()
+    await store.buckets([BucketOp("tokens:idle", "check", 1.0, 5.0, 1.0)])
+    assert client.exists(store.budget_key("tokens:idle")) == 0  # a look stores nothing
+    await store.buckets([BucketOp("tokens:debt", "charge", 100.0, 5.0, 105.0)])
+    ttl = client.pttl(store.budget_key("tokens:debt"))
+    assert 0 < ttl <= math.ceil(105 / 100 * 1000) + 1000  # full again by then: the key goes
+
+
+async def test_garbage_in_the_keys_is_a_full_bucket(ledgers: list[RedisLedger],
+                                                    shared_server: RedisServer) -> None:  # noqa: F811
+    store = ledgers[0]
+    client = shared_server.client()
+    client.set(store.budget_key("requests:a"), "not a hash")
+    client.hset(store.budget_key("requests:b"), mapping={"level": "nan", "at": "x"})
+    client.set(store._retry_key, "junk")
+    levels = await store.buckets([BucketOp("requests:a", "take", 1.0, 2.0, 1.0),
+                                  BucketOp("requests:b", "take", 1.0, 2.0, 1.0)])
+    assert [(level.allowed, level.level) for level in levels] == [(True, 1.0), (True, 1.0)]
+    assert await store.retry_counts(1, 0, 10.0, 10) == (0, 0)
+    client.hset(store._retry_key, mapping={"d:zz:x": "1", "w:5:y": "nope"})
+    assert await store.retry_counts(0, 0, 10.0, 10) == (0, 0)
+
+
+async def test_the_retry_window_counts_the_others_within_the_window(ledgers: list[RedisLedger]) -> None:
+    one, two = ledgers
+    t = 5_000_000  # ms: slots of 1 s, a window of 10 s
+    assert await one.retry_counts(10, 2, 10.0, 10, now_ms=t) == (0, 0)
+    assert await two.retry_counts(4, 1, 10.0, 10, now_ms=t + 500) == (10, 2)  # not its own
+    assert await one.retry_counts(0, 0, 10.0, 10, now_ms=t + 3000) == (4, 1)
+    assert await two.retry_counts(0, 0, 10.0, 10, now_ms=t + 10_500) == (0, 0)  # left the window
+
+
+async def test_each_replica_learns_the_work_the_others_served(ledgers: list[RedisLedger],
+                                                              shared_server: RedisServer) -> None:  # noqa: F811
+    one, two = ledgers
+    acme, globex = ("chat", "acme"), ("chat", "globex")
+    assert await one.served({acme: 1.0}, [acme]) == {}  # read for the first time: a baseline
+    assert await two.served({}, [acme]) == {}
+    assert await one.served({acme: 2.0, globex: 0.5}, [acme, globex]) == {}  # its own work
+    assert await two.served({acme: 0.25}, [acme]) == {acme: 2.0}
+    assert await one.served({}, [acme, globex]) == {acme: 0.25}
+    assert await one.served({}, []) == {}  # nothing queued here: nothing read
+    assert await two.served({acme: 1.0}, [acme]) == {}  # its own
+    assert await one.served({}, [acme]) == {}  # after a gap: a baseline again
+    client = shared_server.client()
+    client.hset(one._served_key, "chat|acme", "garbage")
+    assert await two.served({acme: 1.0}, [acme]) == {}  # garbage replaced, never a crash
+    client.set(one._served_key, "not a hash")
+    assert await one.served({}, [acme]) == {}
+
+
+async def test_the_fallback_refuses_at_once_while_redis_is_away(server: RedisServer) -> None:  # noqa: F811
+    primary = RedisLedger(server.url, prefix="fb", timeout=0.2)
+    ledger = FallbackLedger(primary, mode=FailMode.OPEN, retry_interval=0.1, fleet_size=3)
+    await ledger.start()
+    try:
+        op = BucketOp("requests:t", "take", 1.0, 5.0, 1.0)
+        assert (await ledger.buckets([op]))[0].allowed
+        server.kill()
+        with pytest.raises(LedgerUnavailable):
+            await ledger.buckets([op])
+        assert ledger.degraded
+        started = time.perf_counter()
+        with pytest.raises(LedgerUnavailable):
+            await ledger.buckets([op])
+        assert time.perf_counter() - started < 0.01  # no wait on Redis while it is away
+        assert ledger.fail_open
+        assert ledger.fleet_size == 3
+        with pytest.raises(LedgerUnavailable):
+            await ledger.retry_counts(1, 0, 10.0, 10)
+        server.start()
+        for _ in range(100):
+            if not ledger.degraded:
+                break
+            await asyncio.sleep(0.05)
+        assert not ledger.degraded
+        assert (await ledger.buckets([op]))[0].allowed  # Redis came back empty: full again
+    finally:
+        await ledger.close()
+

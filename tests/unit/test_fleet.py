@@ -1,0 +1,211 @@
+"""Fleet-wide budgets and fair shares, without sockets: the rate limit service over a store (a fake
+with the pure Budget inside) answers as it does alone, decides alone with its part of each budget
+(or refuses) while the store is away, and sends usage charges to the store; the retry budget
+decides on the fleet's counts; a fair queue counts what other replicas served."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from extproc.controller import Controller
+from extproc.core.budget import Budget, Rate, part
+from extproc.core.queue import Entry, LaneQueue
+from extproc.core.retry_budget import RetryBudget
+from extproc.metrics import Metrics
+from extproc.policy.ratelimit import RateLimit
+from extproc.servers.ratelimit import RateLimitService
+from extproc.state import BucketOp, LedgerUnavailable, Level
+from tests.unit.test_ratelimit_service import OK, OVER, Clock, Rig, make_policy, request
+
+
+class FakeStore:
+    """A fleet's store: one pure Budget for every replica, the operations' rule of bucket.lua."""
+
+    def __init__(self, clock: Any, *, fail_open: bool = True, fleet_size: int = 3) -> None:
+        self.budget = Budget(100)
+        self.clock = clock
+        self.fail_open = fail_open
+        self.fleet_size = fleet_size
+        self.down = False
+        self.calls: list[list[BucketOp]] = []
+        self.retry = (0, 0)
+        self.sent: list[tuple[int, int]] = []
+
+    async def buckets(self, ops: Sequence[BucketOp], now: float | None = None) -> list[Level]:
+        if self.down:
+            raise LedgerUnavailable("down")
+        self.calls.append(list(ops))
+        out, refused = [], False
+        for op in ops:
+            name = "check" if op.op == "take" and refused else op.op
+            verdict = self.budget.apply(name, op.key, Rate(op.per_second, op.burst), op.amount, self.clock())
+            refused = refused or not verdict.allowed
+            out.append(Level(verdict.allowed, verdict.remaining))
+        return out
+
+    async def retry_counts(self, deposits: int, withdrawals: int, window_s: float, slots: int
+                           ) -> tuple[int, int]:
+        if self.down:
+            raise LedgerUnavailable("down")
+        self.sent.append((deposits, withdrawals))
+        return self.retry
+
+    async def served(self, work: Mapping[tuple[str, str], float],
+                     queued: Iterable[tuple[str, str]] = ()) -> dict[tuple[str, str], float]:
+        return {}
+
+
+def shared(rig: Rig, **store: Any) -> FakeStore:
+    fake = FakeStore(rig.clock, **store)
+    rig.service = RateLimitService(rig.pressure, rig.metrics, lambda: rig.config, clock=rig.clock,
+                                   rng=random.Random(1), store=fake)
+    return fake
+
+
+def budgets(**default: Any) -> RateLimit:
+    return RateLimit.model_validate({"budgets": {"default": default}})
+
+
+async def test_over_a_store_the_service_answers_as_it_does_alone() -> None:
+    config = RateLimit.model_validate({"budgets": {"default": {"requests": 3, "tokens": 50, "per": "minute"},
+                                                   "tenants": {"b": {"requests": 1, "per": "second"}}}})
+    alone, fleet = Rig(config), Rig(config)
+    store = shared(fleet)
+    rng = random.Random(7)
+    for _ in range(200):
+        step = rng.choice([0.0, 0.2, 3.0, 20.0])
+        alone.clock.now += step
+        fleet.clock.now += step
+        tenant = rng.choice(["a", "b", "c"])
+        if rng.random() < 0.3:
+            usage = request(({"generic_key": "gpu_inference_tokens", "x-tenant-id": tenant},
+                             rng.randint(1, 40)))
+            alone.service.decide(usage)
+            await fleet.service.decide_shared(usage)
+            for task in list(fleet.service._flushing):
+                await task
+            continue
+        arrival = request({"generic_key": "gpu_inference", "x-tenant-id": tenant, "path": "/x"})
+        mine = alone.service.decide(arrival)
+        theirs = await fleet.service.decide_shared(arrival)
+        assert theirs == mine
+    assert store.calls
+    assert len(fleet.service.edge.requests) == 0  # the store kept the buckets, not the replica
+
+
+async def test_usage_is_charged_to_the_store_off_the_requests_path() -> None:
+    rig = Rig(budgets(tokens=100))
+    store = shared(rig)
+    usage = request(({"generic_key": "gpu_inference_tokens", "x-tenant-id": "t"}, 150))
+    await rig.service.decide_shared(usage)
+    for task in list(rig.service._flushing):
+        await task
+    sent = [(op.key, op.op, op.amount) for call in store.calls for op in call]
+    assert sent == [("tokens:t", "charge", 150.0)]
+    answer = await rig.service.decide_shared(request({"generic_key": "gpu_inference", "x-tenant-id": "t"}))
+    assert answer.overall_code == OVER  # in debt, fleet-wide
+
+
+async def test_store_away_failing_open_each_replica_takes_its_part() -> None:
+    rig = Rig(budgets(requests=6, per="minute"))
+    store = shared(rig, fleet_size=3)
+    store.down = True
+    arrival = request({"generic_key": "gpu_inference", "x-tenant-id": "t"})
+    codes = [(await rig.service.decide_shared(arrival)).overall_code for _ in range(4)]
+    assert codes == [OK, OK, OVER, OVER]  # 6 a minute / 3 replicas
+    assert rig.sample("extproc_ratelimit_budget_alone_total") == 4
+    store.down = False
+    assert (await rig.service.decide_shared(arrival)).overall_code == OK  # the fleet's bucket again
+    assert not rig.service.alone
+
+
+async def test_store_away_failing_closed_refuses_budgeted_requests_only() -> None:
+    rig = Rig(budgets(requests=6, per="minute"))
+    rig.config = RateLimit.model_validate({"budgets": {"default": {"requests": 6}, "tenants": {"free": {}}}})
+    store = shared(rig, fail_open=False)
+    store.down = True
+    budgeted = await rig.service.decide_shared(request({"generic_key": "gpu_inference", "x-tenant-id": "t"}))
+    assert budgeted.overall_code == OVER
+    free = request({"generic_key": "gpu_inference", "x-tenant-id": "free"})
+    unbudgeted = await rig.service.decide_shared(free)
+    assert unbudgeted.overall_code == OK
+
+
+def test_a_replicas_part_of_a_budget() -> None:
+    assert part(Rate(6.0, 12.0), 3) == Rate(2.0, 4.0)
+    assert part(Rate(1.0, 2.0), 4) == Rate(0.25, 1.0)  # a request must still fit
+    assert part(Rate(1.0, 2.0), 1) == Rate(1.0, 2.0)
+
+
+def test_the_retry_budget_decides_on_the_fleets_counts() -> None:
+    budget = RetryBudget(ratio=0.1, min_per_second=0.0, window_s=10.0)
+    for _ in range(10):
+        budget.deposit(1.0)
+    assert budget.balance(1.0) == 1.0
+    budget.fleet(deposits=90, withdrawals=0)  # the others admitted 90 originals
+    assert budget.balance(1.0) == 10.0
+    budget.fleet(deposits=90, withdrawals=10)  # ... and let 10 retries through
+    assert budget.balance(1.0) == 0.0
+    assert not budget.try_withdraw(1.0)
+    assert budget.unsent() == (10, 0)
+    assert budget.unsent() == (0, 0)
+
+
+def test_the_retry_budget_alone_splits_the_floor_and_closed_lets_nothing_through() -> None:
+    budget = RetryBudget(ratio=0.0, min_per_second=3.0, window_s=10.0)
+    budget.alone(3)
+    assert budget.balance(0.0) == 10.0  # a third of the fleet's 30
+    budget.alone(3, closed=True)
+    assert not budget.try_withdraw(0.0)
+    budget.fleet(0, 0)
+    assert budget.balance(0.0) == 30.0
+
+
+def _entry(i: int, tenant: str) -> Entry:
+    return Entry(i, tenant, arrival=float(i), deadline=100.0, predicted=1.0, rank=float(i))
+
+
+def test_a_fair_queue_counts_what_other_replicas_served() -> None:
+    weights = {"acme": 3.0, "globex": 1.0}
+    queue = LaneQueue(lambda t: weights[t])
+    for i in range(20):
+        queue.push(_entry(i, "acme" if i % 2 else "globex"))
+    alone = [queue.pop().tenant for _ in range(8)]  # type: ignore[union-attr]
+    assert alone.count("acme") == 6
+    # The rest of the fleet served globex a lot: here acme goes first until globex is behind again.
+    queue.charge("globex", 4.0)
+    assert [queue.pop().tenant for _ in range(4)] == ["acme"] * 4  # type: ignore[union-attr]
+    queue.charge("nobody", 5.0)  # a tenant that queues nothing here: nothing to charge
+
+
+def test_a_refused_slot_gives_its_tenants_charge_back() -> None:
+    queue = LaneQueue(lambda t: 1.0)
+    a, b = _entry(1, "a"), _entry(2, "b")
+    queue.push(a)
+    queue.push(b)
+    served = queue.pop()
+    assert served is a
+    back = Entry(a.id, a.tenant, a.arrival, a.deadline, a.predicted, a.rank)
+    queue.refund(back)
+    queue.push(back)
+    assert queue.pop() is back  # as if never served: a is still first
+
+
+async def test_the_controller_syncs_the_retry_budget_with_the_fleet_and_goes_alone_without_it() -> None:
+    clock = Clock()
+    store = FakeStore(clock, fleet_size=3)
+    policy = make_policy(retry_budget={"ratio": 0.0, "min_per_second": 3.0, "window": "10s"})
+    controller = Controller(policy, Metrics(CollectorRegistry()), clock=clock, budgets=store)
+    budget = controller.retry_budget
+    assert budget.try_withdraw(clock.now)
+    store.retry = (0, 20)  # the other replicas let 20 retries through
+    await controller._sync_retry_budget()
+    assert store.sent == [(0, 1)]  # this replica's own withdrawal, told once
+    assert budget.balance(clock.now) == 30 - 20 - 1
+    store.down = True
+    await controller._sync_retry_budget()
+    assert budget.balance(clock.now) == 10 - 1  # its third of the floor, on its own counts
