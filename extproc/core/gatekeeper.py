@@ -66,6 +66,9 @@ class Gatekeeper:
         self.fleet_managed = False
         self.scheduler = Scheduler(self._sized(), rng)
         self.retry_budget = RetryBudget.of(policy.retry_budget)
+        # A rejection that lets its client retry reserves the retry where it is decided (the
+        # scheduler books the return only if the budget has room).
+        self.scheduler.permit = self.permit_retry
         self.saturation = Saturation(policy.signals)
 
     @property
