@@ -274,14 +274,16 @@ class Scheduler:
         """The ticket's place in its lane's order (smaller is better), queued or not."""
         if ticket.entry is not None:
             return ticket.entry.rank
-        if ticket.first is not None:
-            # A returning retry that claimed its booking: in arrival order from its first attempt,
-            # ahead of what arrived since (no size bonus: it already waited).
-            return ticket.first
         lane = self._lanes.get(ticket.lane)
         weight = self.policy.queueing.sjf_weight
         if lane is not None and lane.sjf_weight is not None:
             weight = lane.sjf_weight
+        if ticket.first is not None:
+            # A returning retry that claimed its booking keeps the place its first attempt had
+            # (ranked as if it had arrived then): ahead of what arrived since, as far as its size
+            # allows (a long job does not overtake short ones that SJF puts first).
+            return rank_of(ticket.first, ticket.first + (ticket.deadline - ticket.arrival), ticket.predicted,
+                           weight)
         return rank_of(ticket.arrival, ticket.deadline, ticket.predicted, weight)
 
     def heads(self) -> dict[str, float]:
@@ -643,20 +645,25 @@ class Scheduler:
     def _reject(self, ticket: Ticket, reason: Reason, now: float, cause: Effect | None = None) -> Decision:
         ticket.state = State.DONE
         told = self.retry_after(reason, ticket.lane, now, tenant=ticket.tenant,
-                                first=ticket.first if ticket.first is not None else ticket.arrival)
+                                first=ticket.first if ticket.first is not None else ticket.arrival,
+                                predicted=ticket.predicted, rank=self.rank(ticket))
         return Decision(Outcome.REJECTED, ticket, reason, told.seconds, cause, retry_after_ms=told.ms,
                         retry_allowed=told.allowed)
 
     def retry_after(self, reason: Reason, lane: str, now: float, drain: float | None = None, *,
-                    tenant: str | None = None, first: float | None = None) -> Told:
+                    tenant: str | None = None, first: float | None = None,
+                    predicted: float | None = None, rank: float | None = None) -> Told:
         """What a rejection tells its client: when to come back, and whether retrying can help.
 
         Where retrying soon cannot help (a closed or shed lane): the longest allowed, jittered.
-        Otherwise from when a request queued now would start (``drain_wait``): once the lane's
+        Otherwise from when the request would start from its place (``drain_wait`` at ``rank``; a
+        booked return keeps that place): once the lane's
         completion rate is known, the next place of the lane's return schedule from then on (one
         client per ``1 / (retry_after.share * rate)`` s; this replica's part of the fleet's rate),
         booked for ``tenant``'s return (``first``: when the request first arrived) if the retry
-        budget has room; with the schedule full to the longest allowed, retrying is not allowed.
+        budget has room. Returns also spend their service time (``predicted``) from ``share`` of
+        the lane's slots: a long job that finds too little there is not booked. With the schedule
+        full (to the longest wait allowed, or of slot time), retrying is not allowed.
         Before a rate is measured the schedule paces at the rate the running requests imply
         (``_running_rate``). With nothing running, with ``retry_after.share`` 0, or for a replica
         shutting down: the drain itself, jittered. ``drain``: ``drain_wait`` if the caller already
@@ -666,7 +673,7 @@ class Scheduler:
         if not reason.retry_helps:
             return Told(retry_after(config.max, config, self._rng))
         if drain is None:
-            drain = self.drain_wait(lane, now)
+            drain = self.drain_wait(lane, now, rank)
         measured = self._rate(lane, now) or self._running_rate(lane)
         if measured is not None and tenant is not None and config.share > 0 and reason is not Reason.DRAINING:
             low, high = bounds(config)
@@ -676,13 +683,18 @@ class Scheduler:
             # From the drain on (a return before a slot frees would find none), but at most the
             # longest allowed: a booked return keeps its first attempt's place, so it does not
             # wait behind all of a long queue.
-            due = self._schedule.place(lane, now, min(max(drain, low), high), high, pace)
+            earliest = min(max(drain, low), high)
+            # This replica's part of share of the lane's slots, as slot-seconds per second.
+            supply = config.share * self._limits.get(lane, 0) / share
+            work = predicted or 0.0
+            due = self._schedule.place(lane, now, earliest, high, pace, work=work, supply=supply)
             if due is None:
                 # Booked to the longest wait allowed: no return within it can be promised.
                 return Told(retry_after(config.max, config, self._rng), allowed=False)
             if not self._permitted(now):
                 return Told(retry_after(drain, config, self._rng), allowed=False)
-            self._schedule.book(lane, tenant, due, pace, now if first is None else first)
+            self._schedule.book(lane, tenant, due, pace, now if first is None else first, now=now,
+                                latest=high, work=work, supply=supply)
             wait = due - now
             return Told(max(1, math.ceil(wait - 1e-9)), ms=max(1, round(wait * 1000)), booked=True)
         return Told(retry_after(drain, config, self._rng), allowed=self._permitted(now))
@@ -708,8 +720,12 @@ class Scheduler:
 
     @property
     def bookings(self) -> int:
-        """Returns booked on the lanes' schedules and not yet claimed or lapsed (at most)."""
+        """Returns booked on the lanes' schedules and not yet claimed (lapsed ones until swept)."""
         return len(self._schedule)
+
+    def expire_bookings(self, now: float) -> None:
+        """Sweep lapsed bookings (at most once per ``ReturnSchedule.LATE`` s)."""
+        self._schedule.expire(now)
 
     def set_drain_rates(self, rates: Mapping[str, float], replicas: int = 1) -> None:
         """The fleet's completions per second per lane (from the shared store; lanes absent are
@@ -741,11 +757,13 @@ class Scheduler:
         """Every lane's ``drain_rate``."""
         return {name: self.drain_rate(name, now) for name in self._lanes}
 
-    def drain_wait(self, lane: str, now: float) -> float:
+    def drain_wait(self, lane: str, now: float, rank: float | None = None) -> float:
         """Seconds until a request joining ``lane``'s queue now would get a slot: the requests
         ahead of it over every replica (this one's queue and the others' as last seen), plus
-        itself, over the lane's measured completion rate. Until a rate is known, list scheduling
-        on this replica's own predicted service times (``backlog_wait``). 0 with a slot free now."""
+        itself, over the lane's measured completion rate. ``rank``: its place in the lane's order
+        (None: behind the whole queue, as the edge, which knows no job size, asks); the other
+        replicas' queues count in the share this one's has ahead of it. Until a rate is known,
+        list scheduling on this replica's own predicted service times. 0 with a slot free now."""
         config = self._lanes.get(lane)
         if config is None:
             return 0.0
@@ -755,10 +773,16 @@ class Scheduler:
             return 0.0
         measured = self._rate(lane, now)
         if measured is None:
-            return self.backlog_wait(lane, now)
+            return self._estimated_wait(config, math.inf if rank is None else rank, now)
         rate, _ = measured
+        ahead: float = here
+        others: float = self._others_queued.get(lane, 0)
+        if rank is not None and queue is not None and here:
+            ahead = sum(1 for e in queue.entries() if e.rank <= rank)
+            others = others * ahead / here
         # The fleet's rate drains every replica's queue; this replica's own rate only its own.
-        ahead = here + self._others_queued.get(lane, 0) if lane in self._fleet_rates else here
+        if lane in self._fleet_rates:
+            ahead += others
         return (ahead + 1) / rate
 
     def _victim(self, incoming: Lane, ticket: Ticket | None = None) -> Ticket | None:

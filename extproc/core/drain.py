@@ -122,6 +122,12 @@ class ReturnSchedule:
     A place is booked for the rejected request's (lane, tenant) and told to the client to the
     millisecond (``Retry-After`` in whole seconds, rounded up, and ``retry-after-ms``).
 
+    Returns take at most ``share`` of the lane's slot time too: each booking also spends its
+    predicted service time from an allowance that refills at ``share`` of the lane's slots
+    (``supply`` slot-seconds per second, holding at most the longest wait's worth). A long job
+    that finds too little there is not booked (one long return costs the service of dozens of
+    short ones, which the lane's shortest-job-first order would have served instead).
+
     A request marked as a retry that arrives around a due time (from ``EARLY`` s before it to
     ``LATE`` s after) *claims* one booking of its own tenant and lane, the earliest, and keeps the
     place its first attempt had (the scheduler ranks it from that attempt's arrival). A claim
@@ -145,15 +151,21 @@ class ReturnSchedule:
         self._booked: dict[tuple[str, str], deque[tuple[float, float]]] = {}
         self._size = 0
         self._sweep_at = -math.inf
+        # lane -> (slot-seconds left for returns, as of when)
+        self._work: dict[str, tuple[float, float]] = {}
 
     def __len__(self) -> int:
         return self._size
 
-    def place(self, lane: str, now: float, earliest: float, latest: float, pace: float) -> float | None:
+    def place(self, lane: str, now: float, earliest: float, latest: float, pace: float, *,
+              work: float = 0.0, supply: float = math.inf) -> float | None:
         """The due time the next booking of ``lane`` would get: at least ``earliest`` s from now, no
         sooner than one ``1 / pace`` after the last place; None when that is beyond ``latest`` s
-        (or the drain, or the pace, is no number): the schedule is full."""
+        (or the drain, or the pace, is no number), or when the lane's allowance (refilled at
+        ``supply``) holds less than ``work`` slot-seconds: the schedule is full."""
         if not (math.isfinite(earliest) and pace > 0 and math.isfinite(pace)) or earliest > latest:
+            return None
+        if work > self._allowance(lane, now, latest, supply):
             return None
         if self._size >= self.LIMIT:
             self._sweep(now)
@@ -162,12 +174,22 @@ class ReturnSchedule:
         due = max(self._next.get(lane, -math.inf), now + earliest)
         return due if due - now <= latest + 1e-9 else None
 
-    def book(self, lane: str, tenant: str, due: float, pace: float, first: float) -> None:
-        """Book ``due`` (from :meth:`place`) for ``tenant``'s return; ``first``: when the request
-        first arrived (a retry's booking keeps its first attempt's)."""
+    def book(self, lane: str, tenant: str, due: float, pace: float, first: float, *, now: float,
+             latest: float = math.inf, work: float = 0.0, supply: float = math.inf) -> None:
+        """Book ``due`` (from :meth:`place`, same arguments) for ``tenant``'s return; ``first``: when
+        the request first arrived (a retry's booking keeps its first attempt's)."""
         self._next[lane] = due + 1.0 / pace
+        if work > 0 and math.isfinite(supply):
+            self._work[lane] = (self._allowance(lane, now, latest, supply) - work, now)
         self._booked.setdefault((lane, tenant), deque()).append((due, first))
         self._size += 1
+
+    def _allowance(self, lane: str, now: float, latest: float, supply: float) -> float:
+        if not math.isfinite(supply):
+            return math.inf
+        cap = supply * latest
+        level, at = self._work.get(lane, (cap, now))
+        return min(cap, level + max(0.0, now - at) * supply)
 
     def claim(self, lane: str, tenant: str, now: float) -> float | None:
         """A retry of ``tenant`` to ``lane`` arrives: consume its earliest booking due around now;
@@ -212,5 +234,6 @@ class ReturnSchedule:
         """Only ``lanes`` are kept (after a reload)."""
         for lane in [lane for lane in self._next if lane not in lanes]:
             del self._next[lane]
+            self._work.pop(lane, None)
         for key in [key for key in self._booked if key[0] not in lanes]:
             self._size -= len(self._booked.pop(key))

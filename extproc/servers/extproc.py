@@ -379,6 +379,8 @@ class _Request:
             fields["output_tokens"] = job.output_tokens
             if ticket.retry:
                 fields["retry"] = True
+            if ticket.first is not None:
+                fields["claimed"] = True  # a retry that came back on its booked return
         auto = controller.gate.auto
         if auto is not None:
             # The self-sized fleet limit in force when the request ended (shadow: the one computed).

@@ -104,7 +104,7 @@ def test_the_schedule_books_returns_no_faster_than_its_pace() -> None:
     for _ in range(9):
         at = schedule.place("a", 100.4, earliest=2.5, latest=6, pace=2.0)
         if at is not None:
-            schedule.book("a", "t", at, 2.0, 100.4)
+            schedule.book("a", "t", at, 2.0, 100.4, now=100.4)
         due.append(at)
     assert due[:8] == pytest.approx([102.9, 103.4, 103.9, 104.4, 104.9, 105.4, 105.9, 106.4])
     assert due[8] is None
@@ -119,8 +119,8 @@ def test_the_schedule_books_returns_no_faster_than_its_pace() -> None:
 
 def test_a_claim_takes_one_booking_of_its_own_tenant_and_lane_around_its_due_time() -> None:
     schedule = ReturnSchedule()
-    schedule.book("a", "acme", 10.0, 1.0, first=3.0)
-    schedule.book("a", "acme", 11.0, 1.0, first=4.0)
+    schedule.book("a", "acme", 10.0, 1.0, first=3.0, now=0)
+    schedule.book("a", "acme", 11.0, 1.0, first=4.0, now=0)
     assert schedule.claim("a", "globex", 10.0) is None  # another tenant's booking: nothing
     assert schedule.claim("b", "acme", 10.0) is None  # another lane's: nothing
     assert schedule.claim("a", "acme", 8.9) is None  # more than EARLY before it is due
@@ -133,8 +133,8 @@ def test_a_claim_takes_one_booking_of_its_own_tenant_and_lane_around_its_due_tim
 
 def test_bookings_lapse_late_after_their_due_time() -> None:
     schedule = ReturnSchedule()
-    schedule.book("a", "t", 10.0, 1.0, first=0.0)
-    schedule.book("a", "u", 10.0, 1.0, first=0.0)
+    schedule.book("a", "t", 10.0, 1.0, first=0.0, now=0)
+    schedule.book("a", "u", 10.0, 1.0, first=0.0, now=0)
     assert not schedule.claimable("a", "t", 10.0 + schedule.LATE + 0.01)
     assert schedule.claim("a", "t", 10.0 + schedule.LATE + 0.01) is None
     assert len(schedule) == 1  # u's is still counted until a sweep
@@ -282,3 +282,32 @@ def test_returns_spread_evenly_once_the_schedule_is_busy() -> None:
             per_second[int(now + k / 10 + d.retry_after_ms / 1000)] += 1
     assert per_second
     assert max(per_second.values()) <= 5
+
+
+def test_returns_take_at_most_their_share_of_the_lane_s_slot_time() -> None:
+    # Half of the lane's 2 slots: 1 slot-second per second for returns, at most 20 s worth held.
+    s, now = full_lane(retry_after={"share": 0.5, "max": 20})
+    for _ in range(2):
+        assert s.submit("a", "t", job(8.0), now)[0].retry_after_ms is not None
+    longer = s.submit("a", "t", job(8.0), now)[0]  # 4 slot-seconds left: not booked
+    assert not longer.retry_allowed
+    assert longer.retry_after_ms is None
+    short = s.submit("a", "t", job(1.0), now)[0]  # but a short job still is
+    assert short.retry_after_ms is not None
+    # The allowance refills at its rate: 8 s later a long job fits again.
+    assert s.submit("a", "t", job(8.0), now + 8)[0].retry_after_ms is not None
+
+
+def test_the_drain_counts_only_what_is_ahead_of_the_request_s_place() -> None:
+    s, now = drained_scheduler(rate_per_s=4.0)
+    for i in range(8):
+        s.submit("a", "t", job(), now + i / 100)  # sjf_weight 0: ranked by arrival
+    later = now + 0.1
+    rate = s.drain_rate("a", later)
+    assert rate is not None
+    assert s.drain_wait("a", later) == pytest.approx(9 / rate, rel=0.01)  # behind all 8 (the edge's)
+    assert s.drain_wait("a", later, rank=now + 0.035) == pytest.approx(5 / rate, rel=0.01)  # 4 ahead
+    s.set_others({}, {"a": 8}, later)
+    s.set_drain_rates({"a": rate}, replicas=2)
+    # The other replicas' queue counts in the share this one's has ahead: half of 8.
+    assert s.drain_wait("a", later, rank=now + 0.035) == pytest.approx(9 / rate, rel=0.01)
