@@ -13,6 +13,7 @@ from extproc.core.admission import Scheduler
 from extproc.core.decision import Outcome, Reason
 from extproc.core.drain import FleetRate, Rate, ReturnSchedule
 from extproc.core.edge import SchedulerPressure
+from extproc.core.gatekeeper import Gatekeeper
 from tests.unit.test_admission import job, lane, make_policy
 
 
@@ -40,9 +41,10 @@ def test_fleet_rate_reads_counters_and_survives_a_reset() -> None:
     assert fleet.rates(31)["a"] > 0
 
 
-def drained_scheduler(rate_per_s: float, seconds: float = 30.0, **policy: object) -> tuple[Scheduler, float]:
+def drained_scheduler(rate_per_s: float, seconds: float = 30.0, scheduler: Scheduler | None = None,
+                      **policy: object) -> tuple[Scheduler, float]:
     """Lane a (2 slots) kept full for ``seconds`` with completions at ``rate_per_s``."""
-    s = Scheduler(make_policy([lane("a", 2, max_queued=50)], **policy), rng=random.Random(0))
+    s = scheduler or Scheduler(make_policy([lane("a", 2, max_queued=50)], **policy), rng=random.Random(0))
     now = 0.0
     running = [s.submit("a", "t", job(), now)[0].ticket for _ in range(2)]
     gap = 1 / rate_per_s
@@ -311,3 +313,21 @@ def test_the_drain_counts_only_what_is_ahead_of_the_request_s_place() -> None:
     s.set_drain_rates({"a": rate}, replicas=2)
     # The other replicas' queue counts in the share this one's has ahead: half of 8.
     assert s.drain_wait("a", later, rank=now + 0.035) == pytest.approx(9 / rate, rel=0.01)
+
+
+def test_a_booked_return_is_not_refused_by_the_retry_budget_after_its_reservation_lapsed() -> None:
+    policy = make_policy([lane("a", 2, max_queued=50)], retry_after={"max": 30, "share": 1, "jitter": 0},
+                         retry_budget={"ratio": 0, "min_per_second": 0.2, "window": "10s"})
+    gate = Gatekeeper(policy, random.Random(0))
+    _, now = drained_scheduler(rate_per_s=4.0, scheduler=gate.scheduler)
+    while (told := gate.submit("a", "t", job(), now).decision).outcome is Outcome.QUEUED:
+        pass
+    assert told.retry_after_ms is not None  # full: a retry reserved, a return booked
+    due = now + told.retry_after_ms / 1000
+    assert due - now > 10  # beyond the budget's window: the reservation lapses first
+    # Other clients' unbooked retries take what the budget allows meanwhile.
+    refused = [gate.submit("a", "u", job(), due - 1.5, retry=True).decision.reason for _ in range(5)]
+    assert Reason.RETRY_BUDGET in refused
+    back = gate.submit("a", "t", job(), due, retry=True).decision
+    assert back.reason is not Reason.RETRY_BUDGET
+    assert back.ticket.first is not None  # it claimed its booking
