@@ -6,6 +6,8 @@ ahead of it in its lane (over every replica) divided by how fast the lane comple
 ``1/tau`` and the estimate decays by ``e^(-dt/tau)``, so it follows a change in throughput within
 a few ``tau`` and needs no timer. :class:`FleetRate` turns the fleet's completion counters (one
 per lane in the shared store, read on each sync) into the same kind of estimate.
+:class:`ReturnSchedule` books rejected clients' returns at a share of that rate, and lets a retry
+that comes back on time claim its place.
 """
 
 from __future__ import annotations
@@ -130,11 +132,14 @@ class ReturnSchedule:
 
     A request marked as a retry that arrives around a due time (from ``EARLY`` s before it to
     ``LATE`` s after) *claims* one booking of its own tenant and lane, the earliest, and keeps the
-    place its first attempt had (the scheduler ranks it from that attempt's arrival). A claim
+    place its first attempt had (the scheduler ranks it as if it had arrived then). A claim
     consumes a booking, so a tenant's claims never outnumber the rejections it was told to come
     back from, and a retry header alone (no booking) gains nothing. Unclaimed bookings lapse
     ``LATE`` s after their due time. When the schedule is booked beyond the longest Retry-After
     allowed it is *full*: nothing is booked (the rejection says retrying soon cannot help).
+
+    The schedule is this replica's (its part of the fleet's pace): a retry that lands on another
+    replica finds no booking there and is an ordinary request.
     """
 
     #: How early before its due time a retry may claim its booking (a client's clock, the network).
