@@ -40,7 +40,7 @@ def post(url: str, tenant: str, *, retry: int = 0, delay_ms: int = 0) -> httpx.R
 
 
 def booked_rejection(url: str, metric: Callable[..., float]) -> tuple[float, httpx.Response]:
-    """One request running (8 s), one queued, then acme's next one shed at the edge with a booking:
+    """One request running (6 s), one queued, then acme's next one shed at the edge with a booking:
     when it is due (monotonic), and the answer."""
     sent = time.monotonic()
     shed = post(url, "acme")
@@ -56,7 +56,7 @@ def booked_rejection(url: str, metric: Callable[..., float]) -> tuple[float, htt
 
 
 def fill(pool: ThreadPoolExecutor, url: str, metric: Callable[..., float]) -> list[object]:
-    running = pool.submit(post, url, "acme", delay_ms=8000)
+    running = pool.submit(post, url, "acme", delay_ms=6000)
     until("one running", lambda: metric("inference_inflight_requests", lane="a") == 1)
     queued = pool.submit(post, url, "acme")
     until("one queued", lambda: metric("inference_pending_requests", lane="a") == 1)
