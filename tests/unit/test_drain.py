@@ -71,11 +71,11 @@ def test_drain_wait_is_the_queue_ahead_over_the_measured_rate() -> None:
     edge = SchedulerPressure(s, lambda: now)
     assert edge.drain_s("a") == s.drain_wait("a", now)
     # Given that drain (2 s), the edge books the lane's return schedule as ext_proc does: 2 s, and
-    # the next client (ext_proc's) one place later: retry_after.share (0.1) of this replica's half
-    # of 10/s is one return per 2 s, so 4 s.
+    # the next client (ext_proc's) one place later: retry_after.share (0.08) of this replica's
+    # half of 10/s is one return per 2.5 s, so ceil(4.5) = 5 s.
     told = edge.retry_after("a", Reason.QUEUE_FULL, edge.drain_s("a"), "t")
     assert (told.seconds, told.ms, told.booked, told.allowed) == (2, 2000, True, True)
-    assert s.retry_after(Reason.QUEUE_FULL, "a", now, tenant="t").seconds == 4
+    assert s.retry_after(Reason.QUEUE_FULL, "a", now, tenant="t").seconds == 5
 
 
 def test_drain_wait_is_zero_with_a_slot_free_and_list_scheduling_before_any_rate() -> None:
@@ -182,7 +182,7 @@ def test_a_booked_retry_claims_its_place_and_a_forged_one_gains_nothing() -> Non
 
 
 def test_a_rejection_when_the_schedule_is_full_says_do_not_retry() -> None:
-    s, now = full_lane(retry_after={"max": 5})
+    s, now = full_lane(retry_after={"max": 6, "share": 0.1})
     told = [s.submit("a", "t", job(), now)[0] for _ in range(10)]
     booked = [d for d in told if d.retry_after_ms is not None]
     # 0.1 of 4/s: a return every 2.5 s, from the longest allowed (the drain is beyond it) to it.
