@@ -700,14 +700,14 @@ class Scheduler:
         return Told(retry_after(drain, config, self._rng), allowed=self._permitted(now))
 
     def _running_rate(self, lane: str) -> tuple[float, int] | None:
-        """Before a completion rate is measured: the rate the lane's running requests imply (how
-        many run over their mean predicted service time, Little's law), so the first rejections
-        are spread too."""
+        """Before a completion rate is measured: the rate the lane's running requests imply (each
+        slot completes one request per predicted service time of what runs in it: the sum of
+        1 / predicted; not the count over the mean, which long jobs, running longest, dominate),
+        so the first rejections are spread too."""
         tickets = self._inflight.get(lane)
         if not tickets:
             return None
-        mean = sum(t.predicted for t in tickets.values()) / len(tickets)
-        rate = len(tickets) / mean if mean > 0 else math.inf
+        rate = sum(1.0 / max(t.predicted, 1e-3) for t in tickets.values())
         return (rate, 1) if _SLOWEST_RATE <= rate < math.inf else None
 
     def _permitted(self, now: float) -> bool:
