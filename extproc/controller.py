@@ -87,11 +87,15 @@ class Controller:
         self._epoch_offset = time.time() - clock()
         self.view: GlobalView | None = None
         metrics.watch(self.lanes, lambda: self.scheduler.draining, lambda: self.view,
-                      lambda: self.scheduler.drain_rates(self.now()))
+                      lambda: self.scheduler.drain_rates(self.now()), self._bookings)
 
     @property
     def policy(self) -> Policy:
         return self.scheduler.policy
+
+    def _bookings(self) -> int:
+        self.scheduler.expire_bookings(self.now())
+        return self.scheduler.bookings
 
     def lanes(self) -> dict[str, LaneView]:
         """Every lane's view. With a shared ledger a request counts in flight once the ledger granted

@@ -59,11 +59,13 @@ class Children(Generic[_M]):
 class _StateCollector(Collector):
     def __init__(self, lanes: Callable[[], Mapping[str, LaneView]], draining: Callable[[], bool],
                  cluster: Callable[[], GlobalView | None] | None = None,
-                 drain: Callable[[], Mapping[str, float | None]] | None = None) -> None:
+                 drain: Callable[[], Mapping[str, float | None]] | None = None,
+                 bookings: Callable[[], int] | None = None) -> None:
         self._lanes = lanes
         self._draining = draining
         self._cluster = cluster
         self._drain = drain
+        self._bookings = bookings
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         pending = GaugeMetricFamily(
@@ -102,6 +104,12 @@ class _StateCollector(Collector):
                 if value is not None:
                     rate.add_metric([name], value)
             yield rate
+        if self._bookings is not None:
+            yield GaugeMetricFamily(
+                "extproc_retry_bookings", "Returns booked on the lanes' return schedules for rejected "
+                "clients, not yet claimed by their retry (lapsed ones count until swept, within 2 s).",
+                value=self._bookings(),
+            )
         yield GaugeMetricFamily(
             "extproc_draining", "1 while this replica is shutting down and admits nothing.",
             value=1.0 if self._draining() else 0.0,
@@ -229,8 +237,9 @@ class Metrics:
 
     def watch(self, lanes: Callable[[], Mapping[str, LaneView]], draining: Callable[[], bool],
               cluster: Callable[[], GlobalView | None] | None = None,
-              drain: Callable[[], Mapping[str, float | None]] | None = None) -> None:
-        self.registry.register(_StateCollector(lanes, draining, cluster, drain))
+              drain: Callable[[], Mapping[str, float | None]] | None = None,
+              bookings: Callable[[], int] | None = None) -> None:
+        self.registry.register(_StateCollector(lanes, draining, cluster, drain, bookings))
 
 
 # -- the edge shed (Envoy's rate limit service) ---------------------------------------------------

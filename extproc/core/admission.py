@@ -22,12 +22,12 @@ import heapq
 import itertools
 import math
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
 from extproc.core.decision import Outcome, Reason
-from extproc.core.drain import Rate, RetryCalendar
+from extproc.core.drain import Rate, ReturnSchedule, Told
 from extproc.core.estimate import Estimator, Job
 from extproc.core.queue import Entry, LaneQueue, rank_of
 from extproc.core.retry import bounds, retry_after
@@ -64,6 +64,9 @@ class Ticket:
     entry: Entry | None = None
     retry: bool = False
     """Its client said it is a retry (admitted retries deposit nothing in the retry budget)."""
+    first: float | None = None
+    """A retry that claimed its booking on the return schedule: when its first attempt arrived
+    (it ranks from then, keeping that attempt's place)."""
 
     @property
     def queue_wait(self) -> float:
@@ -80,6 +83,11 @@ class Decision:
     """For a saturation rejection: the rule and signal behind it."""
     shadow: Outcome | None = None
     """In shadow mode: what enforcing would have done (queued or rejected, with ``reason``)."""
+    retry_after_ms: int | None = None
+    """For a rejection booked on its lane's return schedule: the exact wait (``retry-after-ms``)."""
+    retry_allowed: bool = True
+    """For a rejection whose retry could help: False when the return schedule is full or the retry
+    budget has no room (the answer then says ``x-should-retry: false``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +149,10 @@ class Scheduler:
         self._completions: dict[str, Rate] = {}
         self._fleet_rates: dict[str, float] = {}
         self._replicas = 1
-        self._calendar = RetryCalendar()
+        self._schedule = ReturnSchedule()
+        #: Reserves a retry in the retry budget for a rejection that lets its client retry; False:
+        #: no room (the gatekeeper sets it; None: no budget).
+        self.permit: Callable[[float], bool] | None = None
         self.reconfigure(policy)
 
     # -- configuration ------------------------------------------------------------
@@ -177,7 +188,7 @@ class Scheduler:
                 self._queues[name] = LaneQueue(self._tenant_weight)
         for name in [name for name in self._completions if name not in lanes]:
             del self._completions[name]
-        self._calendar.forget(set(lanes))
+        self._schedule.forget(set(lanes))
         self._update_limits()
         return self._dispatch(now) if now is not None else []
 
@@ -269,6 +280,12 @@ class Scheduler:
         weight = self.policy.queueing.sjf_weight
         if lane is not None and lane.sjf_weight is not None:
             weight = lane.sjf_weight
+        if ticket.first is not None:
+            # A returning retry that claimed its booking keeps the place its first attempt had
+            # (ranked as if it had arrived then): ahead of what arrived since, as far as its size
+            # allows (a long job does not overtake short ones that SJF puts first).
+            return rank_of(ticket.first, ticket.first + (ticket.deadline - ticket.arrival), ticket.predicted,
+                           weight)
         return rank_of(ticket.arrival, ticket.deadline, ticket.predicted, weight)
 
     def charge_others(self, served: Mapping[tuple[str, str], float]) -> None:
@@ -414,8 +431,11 @@ class Scheduler:
         """Decide a new request. Returns its decision and any queued requests it evicted."""
         lane = self._lanes[lane_name]
         predicted = self.estimator.predict(job, self.occupancy())
+        # A retry of the tenant that was told to come back about now claims that booking; a retry
+        # without one (or a client that only says it retries) is an ordinary request.
+        first = self._schedule.claim(lane.name, tenant, now) if retry else None
         ticket = Ticket(next(self._ids), lane.name, tenant, job, now, now + lane.deadline,
-                        predicted, retry=retry)
+                        predicted, retry=retry, first=first)
         if self.draining:
             return self._reject(ticket, Reason.DRAINING, now), []
         outcome, reason, crowded, rank = self._verdict(lane, ticket, now)
@@ -433,10 +453,11 @@ class Scheduler:
             return self._reject(ticket, reason, now, cause), []
         evicted: list[Decision] = []
         if crowded is not None:
-            evicted.append(self._withdraw(self._tickets_by_entry[crowded.id], Reason.FAIR_SHARE, now))
+            reason = Reason.FAIR_SHARE if ticket.first is None else Reason.EVICTED
+            evicted.append(self._withdraw(self._tickets_by_entry[crowded.id], reason, now))
         cap = self.policy.capacity.max_queued
         if cap is not None and self.total_queued >= cap:
-            victim = self._victim(lane)
+            victim = self._victim(lane, ticket)
             if victim is None:
                 return self._reject(ticket, Reason.QUEUE_FULL, now), evicted
             evicted.append(self._withdraw(victim, Reason.EVICTED, now))
@@ -468,18 +489,23 @@ class Scheduler:
         if not queue and self._admissible(lane):
             return Outcome.ADMITTED, None, None, 0.0
         crowded: Entry | None = None
+        rank = self.rank(ticket)
         if len(queue) >= lane.max_queued:
             # A full queue still takes a tenant below its fair share of the places, in
-            # exchange for the worst entry of the tenant furthest above its share.
+            # exchange for the worst entry of the tenant furthest above its share; and a
+            # returning retry that claimed its booking, in exchange for the worst entry ranked
+            # behind it (its place was kept).
             crowded = queue.crowding(ticket.tenant) if lane.max_queued else None
+            if crowded is None and ticket.first is not None and lane.max_queued:
+                worst = queue.worst()
+                crowded = worst if worst is not None and worst.rank > rank else None
             if crowded is None:
                 return Outcome.REJECTED, Reason.QUEUE_FULL, None, 0.0
-        rank = self.rank(ticket)
         if self._estimated_wait(lane, rank, now) > lane.deadline:
             return Outcome.REJECTED, Reason.DEADLINE_UNMEETABLE, None, rank
         cap = self.policy.capacity.max_queued
         if (cap is not None and self.total_queued - (crowded is not None) >= cap
-                and self._victim(lane) is None):
+                and self._victim(lane, ticket) is None):
             return Outcome.REJECTED, Reason.QUEUE_FULL, None, rank
         return Outcome.QUEUED, None, crowded, rank
 
@@ -586,7 +612,7 @@ class Scheduler:
             del self._lanes[name], self._inflight[name], self._queues[name]
             self._completions.pop(name, None)
             self._order = [lane for lane in self._order if lane.name != name]
-        self._calendar.forget(set(self._lanes))
+        self._schedule.forget(set(self._lanes))
 
     # -- internals ------------------------------------------------------------------
 
@@ -628,32 +654,88 @@ class Scheduler:
 
     def _reject(self, ticket: Ticket, reason: Reason, now: float, cause: Effect | None = None) -> Decision:
         ticket.state = State.DONE
-        return Decision(Outcome.REJECTED, ticket, reason, self.retry_after(reason, ticket.lane, now), cause)
+        told = self.retry_after(reason, ticket.lane, now, tenant=ticket.tenant,
+                                first=ticket.first if ticket.first is not None else ticket.arrival,
+                                predicted=ticket.predicted, rank=self.rank(ticket))
+        return Decision(Outcome.REJECTED, ticket, reason, told.seconds, cause, retry_after_ms=told.ms,
+                        retry_allowed=told.allowed)
 
-    def retry_after(self, reason: Reason, lane: str, now: float, drain: float | None = None) -> int:
-        """Retry-After for a rejection (whole seconds, within retry_after's bounds, never 0).
+    def retry_after(self, reason: Reason, lane: str, now: float, drain: float | None = None, *,
+                    tenant: str | None = None, first: float | None = None,
+                    predicted: float | None = None, rank: float | None = None) -> Told:
+        """What a rejection tells its client: when to come back, and whether retrying can help.
 
         Where retrying soon cannot help (a closed or shed lane): the longest allowed, jittered.
-        Otherwise from when a request queued now would start (``drain_wait``): once the lane's
-        completion rate is known, the next free place in the lane's return schedule from then on
-        (one client per ``1 / rate`` seconds; this replica's part of the fleet's rate), so retries
-        come back at the pace slots free; before that, or with the schedule booked beyond the
-        longest allowed, the drain itself, jittered. ``drain``: ``drain_wait`` if the caller
-        already has it (the edge's lane check computed it).
+        Otherwise from when the request would start from its place (``drain_wait`` at ``rank``; a
+        booked return keeps that place): once the lane's
+        completion rate is known, the next place of the lane's return schedule from then on (one
+        client per ``1 / (retry_after.share * rate)`` s; this replica's part of the fleet's rate),
+        booked for ``tenant``'s return (``first``: when the request first arrived) if the retry
+        budget has room. Returns also spend their service time (``predicted``) from ``share`` of
+        the lane's slots: a long job that finds too little there is not booked. With the schedule
+        full (to the longest wait allowed, or of slot time), retrying is not allowed.
+        Before a rate is measured the schedule paces at the rate the running requests imply
+        (``_running_rate``). With nothing running, with ``retry_after.share`` 0, or for a replica
+        shutting down: the drain itself, jittered. ``drain``: ``drain_wait`` if the caller already
+        has it (the edge's lane check computed it). The retry budget is asked once, here (``permit``).
         """
         config = self.policy.retry_after
         if not reason.retry_helps:
-            return retry_after(config.max, config, self._rng)
+            return Told(retry_after(config.max, config, self._rng))
         if drain is None:
-            drain = self.drain_wait(lane, now)
-        measured = self._rate(lane, now)
-        if measured is not None:
+            drain = self.drain_wait(lane, now, rank)
+        measured = self._rate(lane, now) or self._running_rate(lane)
+        if measured is not None and tenant is not None and config.share > 0 and reason is not Reason.DRAINING:
             low, high = bounds(config)
             rate, share = measured
-            told = self._calendar.book(lane, now, max(drain, low), high, rate / share)
-            if told is not None:
-                return told
-        return retry_after(drain, config, self._rng)
+            pace = config.share * rate / share
+            self._schedule.expire(now)
+            # From the drain on (a return before a slot frees would find none), but at most the
+            # longest allowed: a booked return keeps its first attempt's place, so it does not
+            # wait behind all of a long queue.
+            earliest = min(max(drain, low), high)
+            # This replica's part of share of the lane's slots, as slot-seconds per second.
+            supply = config.share * self._limits.get(lane, 0) / share
+            work = predicted or 0.0
+            due = self._schedule.place(lane, now, earliest, high, pace, work=work, supply=supply)
+            if due is None:
+                # Booked to the longest wait allowed: no return within it can be promised.
+                return Told(retry_after(config.max, config, self._rng), allowed=False)
+            if not self._permitted(now):
+                return Told(retry_after(drain, config, self._rng), allowed=False)
+            self._schedule.book(lane, tenant, due, pace, now if first is None else first, now=now,
+                                latest=high, work=work, supply=supply)
+            wait = due - now
+            return Told(max(1, math.ceil(wait - 1e-9)), ms=max(1, round(wait * 1000)), booked=True)
+        return Told(retry_after(drain, config, self._rng), allowed=self._permitted(now))
+
+    def _running_rate(self, lane: str) -> tuple[float, int] | None:
+        """Before a completion rate is measured: the rate the lane's running requests imply (each
+        slot completes one request per predicted service time of what runs in it: the sum of
+        1 / predicted; not the count over the mean, which long jobs, running longest, dominate),
+        so the first rejections are spread too."""
+        tickets = self._inflight.get(lane)
+        if not tickets:
+            return None
+        rate = sum(1.0 / max(t.predicted, 1e-3) for t in tickets.values())
+        return (rate, 1) if _SLOWEST_RATE <= rate < math.inf else None
+
+    def _permitted(self, now: float) -> bool:
+        return self.permit is None or self.permit(now)
+
+    def claimable(self, lane: str, tenant: str, now: float) -> bool:
+        """Whether a retry of ``tenant`` to ``lane`` arriving now would claim a booking (the edge
+        lets it through to ext_proc, which claims it)."""
+        return self._schedule.claimable(lane, tenant, now)
+
+    @property
+    def bookings(self) -> int:
+        """Returns booked on the lanes' schedules and not yet claimed (lapsed ones until swept)."""
+        return len(self._schedule)
+
+    def expire_bookings(self, now: float) -> None:
+        """Sweep lapsed bookings (at most once per ``ReturnSchedule.LATE`` s)."""
+        self._schedule.expire(now)
 
     def set_drain_rates(self, rates: Mapping[str, float], replicas: int = 1) -> None:
         """The fleet's completions per second per lane (from the shared store; lanes absent are
@@ -685,11 +767,13 @@ class Scheduler:
         """Every lane's ``drain_rate``."""
         return {name: self.drain_rate(name, now) for name in self._lanes}
 
-    def drain_wait(self, lane: str, now: float) -> float:
+    def drain_wait(self, lane: str, now: float, rank: float | None = None) -> float:
         """Seconds until a request joining ``lane``'s queue now would get a slot: the requests
         ahead of it over every replica (this one's queue and the others' as last seen), plus
-        itself, over the lane's measured completion rate. Until a rate is known, list scheduling
-        on this replica's own predicted service times (``backlog_wait``). 0 with a slot free now."""
+        itself, over the lane's measured completion rate. ``rank``: its place in the lane's order
+        (None: behind the whole queue, as the edge, which knows no job size, asks); the other
+        replicas' queues count in the share this one's has ahead of it. Until a rate is known,
+        list scheduling on this replica's own predicted service times. 0 with a slot free now."""
         config = self._lanes.get(lane)
         if config is None:
             return 0.0
@@ -699,20 +783,31 @@ class Scheduler:
             return 0.0
         measured = self._rate(lane, now)
         if measured is None:
-            return self.backlog_wait(lane, now)
+            return self._estimated_wait(config, math.inf if rank is None else rank, now)
         rate, _ = measured
+        ahead: float = here
+        others: float = self._others_queued.get(lane, 0)
+        if rank is not None and queue is not None and here:
+            ahead = sum(1 for e in queue.entries() if e.rank <= rank)
+            others = others * ahead / here
         # The fleet's rate drains every replica's queue; this replica's own rate only its own.
-        ahead = here + self._others_queued.get(lane, 0) if lane in self._fleet_rates else here
+        if lane in self._fleet_rates:
+            ahead += others
         return (ahead + 1) / rate
 
-    def _victim(self, incoming: Lane) -> Ticket | None:
+    def _victim(self, incoming: Lane, ticket: Ticket | None = None) -> Ticket | None:
         for lane in reversed(self._order):
             if lane.priority >= incoming.priority:
-                return None
+                break
             if lane.evictable and self._queues[lane.name]:
                 worst = self._queues[lane.name].worst()
                 if worst is not None:
                     return self._tickets_by_entry[worst.id]
+        if ticket is not None and ticket.first is not None:
+            # A returning retry with its booking: the worst of its own lane ranked behind it.
+            worst = self._queues[incoming.name].worst()
+            if worst is not None and worst.rank > self.rank(ticket):
+                return self._tickets_by_entry[worst.id]
         return None
 
     def _dispatch(self, now: float) -> list[Decision]:

@@ -119,15 +119,20 @@ class Rejection:
 
 
 def reject(reason: Reason, lane: str | None, retry_after: int | None, *, signal: str | None = None,
-           rule: str | None = None, retry_allowed: bool = True, detail: str | None = None) -> Rejection:
+           rule: str | None = None, retry_allowed: bool = True, detail: str | None = None,
+           retry_after_ms: int | None = None) -> Rejection:
     """The one rendering of a refusal: status, ``content-type``, ``x-extproc-reason``, the lane, the
-    saturation rule and signal behind it, ``retry-after``, ``x-should-retry: false`` where retrying
-    cannot help or the retry budget has no room (``retry_allowed``), and the JSON error document."""
+    saturation rule and signal behind it, ``retry-after``, ``retry-after-ms`` (the exact wait of a
+    booked return: the OpenAI SDKs prefer it to ``retry-after``), ``x-should-retry: false`` where
+    retrying cannot help, the return schedule is full or the retry budget has no room
+    (``retry_allowed``), and the JSON error document."""
     headers = [("content-type", "application/json"), ("x-extproc-reason", reason.value)]
     if lane is not None:
         headers.append(("x-extproc-lane", lane))
     if retry_after is not None:
         headers.append(("retry-after", str(retry_after)))
+        if retry_after_ms is not None and retry_allowed and reason.retry_helps:
+            headers.append(("retry-after-ms", str(retry_after_ms)))
     if signal is not None or rule is not None:
         headers.append(("x-extproc-signal", signal or ""))
         headers.append(("x-extproc-rule", rule or ""))

@@ -6,12 +6,16 @@ ahead of it in its lane (over every replica) divided by how fast the lane comple
 ``1/tau`` and the estimate decays by ``e^(-dt/tau)``, so it follows a change in throughput within
 a few ``tau`` and needs no timer. :class:`FleetRate` turns the fleet's completion counters (one
 per lane in the shared store, read on each sync) into the same kind of estimate.
+:class:`ReturnSchedule` books rejected clients' returns at a share of that rate, and lets a retry
+that comes back on time claim its place.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 #: Time constant of the completion-rate estimates (seconds).
 TAU = 10.0
@@ -96,31 +100,145 @@ class FleetRate:
         return {lane: rate.value(now) for lane, rate in self._rates.items() if rate.known(now)}
 
 
-class RetryCalendar:
-    """Per lane, when rejected clients were told to come back: no faster than the lane drains.
+@dataclass(frozen=True, slots=True)
+class Told:
+    """What a rejection tells its client about coming back."""
 
-    Each booking takes the next ``1 / rate`` seconds of the lane's return schedule, from when the
-    drain says a slot frees (``earliest``): a burst of rejections comes back spread at the pace
-    the lane completes requests, not as one wave that all heard the same number. Answers are
-    whole seconds (Retry-After's unit).
+    seconds: int
+    """``Retry-After`` (whole seconds, at least 1)."""
+    ms: int | None = None
+    """The exact wait when a place on the return schedule was booked (``retry-after-ms``)."""
+    allowed: bool = True
+    """False: retrying soon cannot be promised (the schedule is full, or the retry budget has no
+    room): ``x-should-retry: false``."""
+    booked: bool = False
+
+
+class ReturnSchedule:
+    """Per lane, when rejected clients were told to come back, and whose return each place is.
+
+    How this works: a lane keeps ``share`` of its completion rate for returning retries. Each
+    rejection that may retry takes the next place of the lane's schedule, one per
+    ``1 / (share * rate)`` seconds from when the drain says a slot frees (``earliest``): a burst
+    of rejections comes back spread at that pace, not as one wave that all heard the same number.
+    A place is booked for the rejected request's (lane, tenant) and told to the client to the
+    millisecond (``Retry-After`` in whole seconds, rounded up, and ``retry-after-ms``).
+
+    Returns take at most ``share`` of the lane's slot time too: each booking also spends its
+    predicted service time from an allowance that refills at ``share`` of the lane's slots
+    (``supply`` slot-seconds per second, holding at most the longest wait's worth). A long job
+    that finds too little there is not booked (one long return costs the service of dozens of
+    short ones, which the lane's shortest-job-first order would have served instead).
+
+    A request marked as a retry that arrives around a due time (from ``EARLY`` s before it to
+    ``LATE`` s after) *claims* one booking of its own tenant and lane, the earliest, and keeps the
+    place its first attempt had (the scheduler ranks it as if it had arrived then). A claim
+    consumes a booking, so a tenant's claims never outnumber the rejections it was told to come
+    back from, and a retry header alone (no booking) gains nothing. Unclaimed bookings lapse
+    ``LATE`` s after their due time. When the schedule is booked beyond the longest Retry-After
+    allowed it is *full*: nothing is booked (the rejection says retrying soon cannot help).
+
+    The schedule is this replica's (its part of the fleet's pace): a retry that lands on another
+    replica finds no booking there and is an ordinary request.
     """
+
+    #: How early before its due time a retry may claim its booking (a client's clock, the network).
+    EARLY = 1.0
+    #: How late after its due time it still may (whole-second Retry-After rounds the wait up).
+    LATE = 2.0
+    #: Bookings held at most (over every lane and tenant): beyond it the schedule is full.
+    LIMIT = 100_000
 
     def __init__(self) -> None:
         self._next: dict[str, float] = {}
+        # (lane, tenant) -> [(due, first attempt's arrival)], due times increasing: a lane's
+        # places only move forward.
+        self._booked: dict[tuple[str, str], deque[tuple[float, float]]] = {}
+        self._size = 0
+        self._sweep_at = -math.inf
+        # lane -> (slot-seconds left for returns, as of when)
+        self._work: dict[str, tuple[float, float]] = {}
 
-    def book(self, lane: str, now: float, earliest: float, latest: int, rate: float) -> int | None:
-        """Seconds to tell a rejected client, in [ceil(earliest), latest]; None when the schedule is
-        booked beyond ``latest`` (or the drain itself is): nothing is booked then."""
-        if not (math.isfinite(earliest) and rate > 0 and math.isfinite(rate)) or earliest > latest:
+    def __len__(self) -> int:
+        return self._size
+
+    def place(self, lane: str, now: float, earliest: float, latest: float, pace: float, *,
+              work: float = 0.0, supply: float = math.inf) -> float | None:
+        """The due time the next booking of ``lane`` would get: at least ``earliest`` s from now, no
+        sooner than one ``1 / pace`` after the last place; None when that is beyond ``latest`` s
+        (or the drain, or the pace, is no number), or when the lane's allowance (refilled at
+        ``supply``) holds less than ``work`` slot-seconds: the schedule is full."""
+        if not (math.isfinite(earliest) and pace > 0 and math.isfinite(pace)) or earliest > latest:
             return None
-        at = max(self._next.get(lane, -math.inf), now + earliest)
-        wait = max(1, math.ceil(at - now - 1e-9))
-        if wait > latest:
+        if work > self._allowance(lane, now, latest, supply):
             return None
-        self._next[lane] = at + 1.0 / rate
-        return wait
+        if self._size >= self.LIMIT:
+            self._sweep(now)
+            if self._size >= self.LIMIT:
+                return None
+        due = max(self._next.get(lane, -math.inf), now + earliest)
+        return due if due - now <= latest + 1e-9 else None
+
+    def book(self, lane: str, tenant: str, due: float, pace: float, first: float, *, now: float,
+             latest: float = math.inf, work: float = 0.0, supply: float = math.inf) -> None:
+        """Book ``due`` (from :meth:`place`, same arguments) for ``tenant``'s return; ``first``: when
+        the request first arrived (a retry's booking keeps its first attempt's)."""
+        self._next[lane] = due + 1.0 / pace
+        if work > 0 and math.isfinite(supply):
+            self._work[lane] = (self._allowance(lane, now, latest, supply) - work, now)
+        self._booked.setdefault((lane, tenant), deque()).append((due, first))
+        self._size += 1
+
+    def _allowance(self, lane: str, now: float, latest: float, supply: float) -> float:
+        if not math.isfinite(supply):
+            return math.inf
+        cap = supply * latest
+        level, at = self._work.get(lane, (cap, now))
+        return min(cap, level + max(0.0, now - at) * supply)
+
+    def claim(self, lane: str, tenant: str, now: float) -> float | None:
+        """A retry of ``tenant`` to ``lane`` arrives: consume its earliest booking due around now;
+        returns that booking's first arrival, or None (no booking: an ordinary request)."""
+        booked = self._live(lane, tenant, now)
+        if booked is None or booked[0][0] - self.EARLY > now:
+            return None
+        _, first = booked.popleft()
+        self._size -= 1
+        if not booked:
+            del self._booked[(lane, tenant)]
+        return first
+
+    def claimable(self, lane: str, tenant: str, now: float) -> bool:
+        """Whether :meth:`claim` would find a booking now (the edge asks; nothing is consumed)."""
+        booked = self._live(lane, tenant, now)
+        return booked is not None and booked[0][0] - self.EARLY <= now
+
+    def _live(self, lane: str, tenant: str, now: float) -> deque[tuple[float, float]] | None:
+        booked = self._booked.get((lane, tenant))
+        if booked is None:
+            return None
+        while booked and booked[0][0] + self.LATE < now:
+            booked.popleft()
+            self._size -= 1
+        if not booked:
+            del self._booked[(lane, tenant)]
+            return None
+        return booked
+
+    def _sweep(self, now: float) -> None:
+        for lane, tenant in list(self._booked):
+            self._live(lane, tenant, now)
+        self._sweep_at = now + self.LATE
+
+    def expire(self, now: float) -> None:
+        """Drop lapsed bookings (at most once per ``LATE`` s: bookings lapse that slowly)."""
+        if now >= self._sweep_at:
+            self._sweep(now)
 
     def forget(self, lanes: set[str]) -> None:
         """Only ``lanes`` are kept (after a reload)."""
         for lane in [lane for lane in self._next if lane not in lanes]:
             del self._next[lane]
+            self._work.pop(lane, None)
+        for key in [key for key in self._booked if key[0] not in lanes]:
+            self._size -= len(self._booked.pop(key))

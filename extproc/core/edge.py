@@ -28,8 +28,10 @@ from typing import Protocol
 from extproc.core.admission import Scheduler
 from extproc.core.budget import Budget, Rate, Verdict
 from extproc.core.decision import Reason, Rejection, reject
+from extproc.core.drain import Told
 from extproc.core.intake import Intake
 from extproc.core.retry import retry_after
+from extproc.core.retry_budget import is_retry
 from extproc.policy.ratelimit import RateLimit, TenantLimit
 from extproc.policy.schema import Lane, Policy
 
@@ -82,9 +84,13 @@ class Pressure(Protocol):
         """Estimated seconds until a request queued now, behind the whole queue, would start."""
         ...
 
-    def retry_after(self, lane: str, reason: Reason, drain: float) -> int:
-        """The Retry-After the scheduler itself would give a request of ``lane`` refused for
-        ``reason``, its drain (``drain_s``) already known."""
+    def retry_after(self, lane: str, reason: Reason, drain: float, tenant: str) -> Told:
+        """What the scheduler itself would tell ``tenant``'s request of ``lane`` refused for
+        ``reason``, its drain (``drain_s``) already known: the same return schedule, booked."""
+        ...
+
+    def claimable(self, lane: str, tenant: str) -> bool:
+        """Whether a retry of ``tenant`` to ``lane`` arriving now holds a booking ext_proc would honour."""
         ...
 
 
@@ -114,8 +120,11 @@ class SchedulerPressure:
         # The same drain as the scheduler's own rejections: the edge and ext_proc answer alike.
         return self._scheduler.drain_wait(lane, self._clock())
 
-    def retry_after(self, lane: str, reason: Reason, drain: float) -> int:
-        return self._scheduler.retry_after(reason, lane, self._clock(), drain)
+    def retry_after(self, lane: str, reason: Reason, drain: float, tenant: str) -> Told:
+        return self._scheduler.retry_after(reason, lane, self._clock(), drain, tenant=tenant)
+
+    def claimable(self, lane: str, tenant: str) -> bool:
+        return self._scheduler.claimable(lane, tenant, self._clock())
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,13 +151,14 @@ def may_crowd(tenant: str, queued: Mapping[str, int], weight: Callable[[str], fl
 
 def lane_check(name: str, lane: Lane, pressure: LanePressure, *, tenant: str, weight: Callable[[str], float],
                queue_share: float, shed_saturated: bool, retry_max_s: float,
-               drain_s: Callable[[], float]) -> Check:
+               drain_s: Callable[[], float], claimed: bool = False) -> Check:
     """Whether the edge sheds ``tenant``'s request to ``lane`` under ``pressure``.
 
     The lane's room is its slots plus the queue places before the edge sheds
     (``queue_share`` of ``max_queued``, rounded up). A full queue sheds only if no slot is
     free either (the scheduler's verdict), and only a tenant that already holds its fair
-    share of the queue. ``drain_s`` is called only for a full lane.
+    share of the queue, nor a returning retry that holds a booking (``claimed``: ext_proc gives it
+    its kept place). ``drain_s`` is called only for a full lane.
     """
     threshold = math.ceil(queue_share * pressure.max_queued)
     room = pressure.limit + threshold
@@ -159,7 +169,7 @@ def lane_check(name: str, lane: Lane, pressure: LanePressure, *, tenant: str, we
     if shed_saturated and pressure.shed_by is not None:
         return Check(True, Reason.SATURATED, label, room, None, 0, retry_max_s)
     crowds = pressure.max_queued > 0 and may_crowd(tenant, pressure.tenants, weight)
-    if not pressure.slot_free and pressure.queued >= threshold and not crowds:
+    if not pressure.slot_free and pressure.queued >= threshold and not crowds and not claimed:
         drain = drain_s()
         wait = drain if math.isfinite(drain) and drain > 0 else 0.0
         return Check(True, Reason.QUEUE_FULL, label, room, None, 0, wait)
@@ -301,6 +311,9 @@ class Edge:
         policy = self.pressure.policy
         tenant, candidates = self.request(entries)
         weights, default = policy.tenants.weights, policy.tenants.default_weight
+        # A retry (the retry budget's header, sent in the descriptor) may hold a booking on its
+        # lane's return schedule: the edge lets it through for ext_proc to claim.
+        retry = is_retry(entries, policy.retry_budget.header)
 
         def weight(name: str) -> float:
             return weights.get(name, default)
@@ -320,7 +333,8 @@ class Edge:
             lane_checks.append(lane_check(
                 name, config_of_lane, pressure, tenant=tenant, weight=weight, queue_share=config.queue_share,
                 shed_saturated=config.shed_saturated, retry_max_s=policy.retry_after.max,
-                drain_s=lambda name=name: self.pressure.drain_s(name)))  # type: ignore[misc]
+                drain_s=lambda name=name: self.pressure.drain_s(name),  # type: ignore[misc]
+                claimed=retry and self.pressure.claimable(name, tenant)))
         if lane_checks:
             # Shed only if every lane the request could land in sheds; else report one that has room.
             open_lanes = [c for c in lane_checks if not c.over]
@@ -373,10 +387,13 @@ class Edge:
         reason = worst.reason
         assert reason is not None
         lane = worst.lane if worst.lane != ANY_LANE else None
+        told: Told | None = None
         if lane is not None and reason not in _BUDGETS:
-            # A lane's pressure: the scheduler's own Retry-After (its drain, as the lane check
-            # measured it, and its return schedule), so the edge and ext_proc answer alike.
-            wait = self.pressure.retry_after(lane, reason, worst.status.reset_s)
+            # A lane's pressure: the scheduler's own answer (its drain, as the lane check measured
+            # it, and its return schedule, booked for this tenant, the retry budget asked there),
+            # so the edge and ext_proc answer alike.
+            told = self.pressure.retry_after(lane, reason, worst.status.reset_s, worst.tenant)
+            wait = told.seconds
         else:  # a tenant budget: when its bucket has room again
             wait = retry_after(worst.status.reset_s, policy.retry_after, self._rng)
         signal = rule = None
@@ -388,6 +405,10 @@ class Edge:
         retry_helps = all(j.retry_helps for j in shed)
         # A shed that lets its client retry reserves that retry in the retry budget; with no room
         # it says x-should-retry: false, saving the client the attempt.
-        allowed = retry_helps and (permit_retry is None or permit_retry())
-        rejection = reject(reason, lane, wait, signal=signal, rule=rule, retry_allowed=allowed)
+        if told is not None:
+            allowed = retry_helps and told.allowed
+        else:
+            allowed = retry_helps and (permit_retry is None or permit_retry())
+        rejection = reject(reason, lane, wait, signal=signal, rule=rule, retry_allowed=allowed,
+                           retry_after_ms=told.ms if told is not None else None)
         return Shed(rejection, lane, rule, signal)

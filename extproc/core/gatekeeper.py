@@ -66,6 +66,9 @@ class Gatekeeper:
         self.fleet_managed = False
         self.scheduler = Scheduler(self._sized(), rng)
         self.retry_budget = RetryBudget.of(policy.retry_budget)
+        # A rejection that lets its client retry reserves the retry where it is decided (the
+        # scheduler books the return only if the budget has room).
+        self.scheduler.permit = self.permit_retry
         self.saturation = Saturation(policy.signals)
 
     @property
@@ -93,7 +96,10 @@ class Gatekeeper:
     def submit(self, lane: str, tenant: str, job: Job, now: float, *, retry: bool = False) -> Submitted:
         """Decide a new request; ``retry``: its client says it is a retry (it spends retry budget)."""
         shadowed = False
-        if retry and self.policy.retry_budget.enabled and not self.retry_budget.try_withdraw(now):
+        # A retry holding a booked return had its retry reserved when it was told to come back: it
+        # goes through even if that reservation lapsed with the budget's window meanwhile.
+        if (retry and self.policy.retry_budget.enabled and not self.retry_budget.try_withdraw(now)
+                and not self.scheduler.claimable(lane, tenant, now)):
             if not self.scheduler.shadowed(lane):
                 return Submitted(self.scheduler.refuse(lane, tenant, job, Reason.RETRY_BUDGET, now))
             shadowed = True  # counted as what enforcing would have done, then decided as usual

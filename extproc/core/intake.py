@@ -87,8 +87,8 @@ class Intake:
         self.estimator = estimator or Estimator(policy.estimation)
         self._trusted = frozenset(policy.trusted_headers)
         self._model_header = policy.estimation.model_header
-        budget = policy.retry_budget
-        self._retry_header = budget.header if budget.enabled else None
+        # Recognised whether or not the retry budget is on: a retry may claim its booked return.
+        self._retry_header: str | None = policy.retry_budget.header
 
     def trusted(self, name: str) -> bool:
         return name in self._trusted

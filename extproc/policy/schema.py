@@ -251,6 +251,13 @@ class RetryAfter(_Strict):
     min: Annotated[Duration, Field(ge=1, le=60)] = 1.0
     max: Annotated[Duration, Field(ge=1, le=60)] = 30.0
     jitter: Annotated[float, Field(ge=0, le=1)] = 0.2
+    share: Annotated[float, Field(ge=0, le=1)] = 0.08
+    """The share of a lane's measured completion rate (and slot time) kept for returning retries:
+    rejected clients are booked on the lane's return schedule at that pace, and a retry that comes
+    back on time keeps its first attempt's place. 0: no schedule (Retry-After is the drain,
+    jittered). Keep it at most retry_budget.ratio / (1 + ratio) (the budget counts retries against
+    admitted originals, the schedule against every completion), or the budget, not the schedule,
+    decides who returns and the returns come unevenly."""
 
     @model_validator(mode="after")
     def _ordered(self) -> RetryAfter:

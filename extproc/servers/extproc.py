@@ -347,12 +347,13 @@ class _Request:
     def _reject(self, decision: Decision) -> pb.ProcessingResponse:
         reason = decision.reason or Reason.QUEUE_FULL
         effect = decision.saturation
-        # A rejection that lets its client retry reserves that retry in the retry budget; with no
-        # room it says x-should-retry: false (the OpenAI SDKs obey it), saving the attempt.
-        allowed = not reason.retry_helps or self.p.controller.permit_retry()
+        # The scheduler booked the client's return and reserved that retry in the retry budget; with
+        # the schedule full or no room it says x-should-retry: false (the OpenAI SDKs obey it).
         rejection = reject(reason, decision.ticket.lane, decision.retry_after,
+                           retry_after_ms=decision.retry_after_ms,
                            signal=effect.signal if effect is not None else None,
-                           rule=effect.shed_by if effect is not None else None, retry_allowed=allowed)
+                           rule=effect.shed_by if effect is not None else None,
+                           retry_allowed=decision.retry_allowed)
         return _immediate(rejection, reason)
 
     def finish(self, *, aborted: bool) -> None:
@@ -410,6 +411,8 @@ class _Request:
             fields["output_tokens"] = job.output_tokens
             if ticket.retry:
                 fields["retry"] = True
+            if ticket.first is not None:
+                fields["claimed"] = True  # a retry that came back on its booked return
         auto = controller.gate.auto
         if auto is not None:
             # The self-sized fleet limit in force when the request ended (shadow: the one computed).

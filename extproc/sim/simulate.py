@@ -268,8 +268,8 @@ class Simulator:
                     by_ticket.pop(d.ticket.id, None)
                     st.ticket = None
                     reason = d.reason or Reason.QUEUE_FULL
-                    allowed = not reason.retry_helps or gate.permit_retry(now)
-                    rejection = reject(reason, d.ticket.lane, d.retry_after, retry_allowed=allowed)
+                    rejection = reject(reason, d.ticket.lane, d.retry_after, retry_allowed=d.retry_allowed,
+                                       retry_after_ms=d.retry_after_ms)
                     refused(st, rejection.status, dict(rejection.headers), reason.value, now)
 
         def arrive(st: _State, now: float) -> None:
@@ -284,7 +284,8 @@ class Simulator:
             config = policy.ratelimit
             if config.mode != "off":
                 entries = {"generic_key": config.request_descriptor, "method": "POST", "path": r.path,
-                           **{k: v for k, v in headers.items() if k in policy.trusted_headers}}
+                           **{k: v for k, v in headers.items()
+                              if k in policy.trusted_headers or k == policy.retry_budget.header}}
                 judgement = edge.judge(config, entries, 1, now)
                 if judgement.over and not judgement.shadow:
                     shed = edge.shed([judgement], lambda: gate.permit_retry(now))

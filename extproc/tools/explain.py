@@ -411,6 +411,10 @@ class ScenarioResult:
     retry_after: int | None
     predicted_s: float
     evicted: tuple[str, ...] = ()
+    retry_after_ms: int | None = None
+    """A rejection booked on its lane's return schedule: the exact wait it is told."""
+    retry_allowed: bool = True
+    """False: the answer says x-should-retry: false (no return can be promised)."""
     borrowed: bool = False
     """Admitted beyond its lane's max_inflight, on another lane's idle slot."""
     then: Outcome | None = None
@@ -574,6 +578,7 @@ def run_scenario(policy: Policy, name: str, loads: Mapping[str, LaneLoad], lane:
     result = ScenarioResult(
         name=name, asked=dict(loads), reached=reached, notes=tuple(notes), outcome=decision.outcome,
         reason=decision.reason, retry_after=decision.retry_after, predicted_s=sample.predicted, evicted=gone,
+        retry_after_ms=decision.retry_after_ms, retry_allowed=decision.retry_allowed,
         borrowed=(decision.outcome is Outcome.ADMITTED
                   and scheduler.snapshot(now)[lane].inflight > policy.lane(lane).max_inflight),
     )
@@ -701,6 +706,10 @@ def _verdict(result: ScenarioResult, lane: Lane) -> str:
     elif result.outcome is Outcome.REJECTED:
         reason = result.reason or Reason.QUEUE_FULL
         text = f"REJECTED {reason.http_status} {reason}, Retry-After {result.retry_after} s"
+        if result.retry_after_ms is not None:
+            text += f" (a return booked in {result.retry_after_ms} ms: retry-after-ms)"
+        elif reason.retry_helps and not result.retry_allowed:
+            text += " (x-should-retry: false: no return can be promised)"
     else:
         text = "QUEUED"
         if result.then is Outcome.ADMITTED and result.then_after_s is not None:
@@ -815,6 +824,7 @@ def as_json(expl: Explanation) -> dict[str, Any]:
             "reached": {k: {"inflight": v.inflight, "queued": v.queued} for k, v in s.reached.items()},
             "notes": list(s.notes), "outcome": s.outcome.value,
             "reason": s.reason.value if s.reason else None, "retry_after": s.retry_after,
+            "retry_after_ms": s.retry_after_ms, "retry_allowed": s.retry_allowed,
             "predicted_s": s.predicted_s, "borrowed": s.borrowed, "evicted": list(s.evicted),
             "then": s.then.value if s.then else None,
             "then_reason": s.then_reason.value if s.then_reason else None, "then_after_s": s.then_after_s,

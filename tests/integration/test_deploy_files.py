@@ -151,6 +151,9 @@ def test_inference_route_sends_what_the_rate_limit_service_reads() -> None:
     policy = load_policy(ROOT / "examples" / "policy.yaml")
     for header in policy.trusted_headers:
         assert sent[header] == {"header_name": header, "descriptor_key": header, "skip_if_absent": True}
+    # And the retry header: a retry that holds a booked return must reach ext_proc to claim it.
+    retry = policy.retry_budget.header
+    assert sent[retry] == {"header_name": retry, "descriptor_key": retry, "skip_if_absent": True}
     assert not arrival.get("apply_on_stream_done", False)
     assert usage["apply_on_stream_done"] is True
     assert "hits_addend" not in usage  # a response without a header must still be charged

@@ -896,7 +896,9 @@ def ratelimit_problems(docs: list[Doc], policy: Policy) -> list[str]:
                     continue
                 sent = {(a["request_headers"]["header_name"], a["request_headers"]["descriptor_key"])
                         for a in actions if "request_headers" in a}
-                for header, key in [(":method", "method"), (":path", "path"),
+                # The retry header too: a retry holding a booked return is let through to ext_proc.
+                retry = policy.retry_budget.header
+                for header, key in [(":method", "method"), (":path", "path"), (retry, retry),
                                     *((h, h) for h in policy.trusted_headers)]:
                     if (header, key) not in sent:
                         problems.append(f"{at}: {header} is not sent as {key!r}")

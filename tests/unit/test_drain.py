@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections import Counter
@@ -10,8 +11,9 @@ import pytest
 
 from extproc.core.admission import Scheduler
 from extproc.core.decision import Outcome, Reason
-from extproc.core.drain import FleetRate, Rate, RetryCalendar
+from extproc.core.drain import FleetRate, Rate, ReturnSchedule
 from extproc.core.edge import SchedulerPressure
+from extproc.core.gatekeeper import Gatekeeper
 from tests.unit.test_admission import job, lane, make_policy
 
 
@@ -39,9 +41,10 @@ def test_fleet_rate_reads_counters_and_survives_a_reset() -> None:
     assert fleet.rates(31)["a"] > 0
 
 
-def drained_scheduler(rate_per_s: float, seconds: float = 30.0) -> tuple[Scheduler, float]:
+def drained_scheduler(rate_per_s: float, seconds: float = 30.0, scheduler: Scheduler | None = None,
+                      **policy: object) -> tuple[Scheduler, float]:
     """Lane a (2 slots) kept full for ``seconds`` with completions at ``rate_per_s``."""
-    s = Scheduler(make_policy([lane("a", 2, max_queued=50)]), rng=random.Random(0))
+    s = scheduler or Scheduler(make_policy([lane("a", 2, max_queued=50)], **policy), rng=random.Random(0))
     now = 0.0
     running = [s.submit("a", "t", job(), now)[0].ticket for _ in range(2)]
     gap = 1 / rate_per_s
@@ -68,9 +71,11 @@ def test_drain_wait_is_the_queue_ahead_over_the_measured_rate() -> None:
     edge = SchedulerPressure(s, lambda: now)
     assert edge.drain_s("a") == s.drain_wait("a", now)
     # Given that drain (2 s), the edge books the lane's return schedule as ext_proc does: 2 s, and
-    # the next client (ext_proc's) 1/5 s later, at this replica's half of 10/s: ceil(2.2) = 3 s.
-    assert edge.retry_after("a", Reason.QUEUE_FULL, edge.drain_s("a")) == 2
-    assert s.retry_after(Reason.QUEUE_FULL, "a", now) == 3
+    # the next client (ext_proc's) one place later: retry_after.share (0.08) of this replica's
+    # half of 10/s is one return per 2.5 s, so ceil(4.5) = 5 s.
+    told = edge.retry_after("a", Reason.QUEUE_FULL, edge.drain_s("a"), "t")
+    assert (told.seconds, told.ms, told.booked, told.allowed) == (2, 2000, True, True)
+    assert s.retry_after(Reason.QUEUE_FULL, "a", now, tenant="t").seconds == 5
 
 
 def test_drain_wait_is_zero_with_a_slot_free_and_list_scheduling_before_any_rate() -> None:
@@ -95,28 +100,116 @@ def test_retry_after_follows_the_drain() -> None:
     assert config.max * (1 - config.jitter) - 1 <= decision.retry_after <= config.max
 
 
-def test_the_calendar_books_returns_no_faster_than_the_lane_drains() -> None:
-    calendar = RetryCalendar()
-    told = [calendar.book("a", 100.4, earliest=2.5, latest=6, rate=2.0) for _ in range(9)]
-    assert told == [3, 3, 4, 4, 5, 5, 6, 6, None]  # from ceil(2.5), two a second, then full
-    slow = [calendar.book("b", 100.4, earliest=0.2, latest=20, rate=0.2) for _ in range(4)]
-    assert slow == [1, 6, 11, 16]  # one every 5 s: a lane completing one request per 5 s
-    assert calendar.book("c", 0, earliest=math.inf, latest=6, rate=1.0) is None
-    assert calendar.book("c", 0, earliest=9, latest=6, rate=1.0) is None  # beyond what it may say
-    calendar.forget({"a"})
-    assert calendar.book("b", 100.4, earliest=0.2, latest=20, rate=0.2) == 1  # b was forgotten
+def test_the_schedule_books_returns_no_faster_than_its_pace() -> None:
+    schedule = ReturnSchedule()
+    due = []
+    for _ in range(9):
+        at = schedule.place("a", 100.4, earliest=2.5, latest=6, pace=2.0)
+        if at is not None:
+            schedule.book("a", "t", at, 2.0, 100.4, now=100.4)
+        due.append(at)
+    assert due[:8] == pytest.approx([102.9, 103.4, 103.9, 104.4, 104.9, 105.4, 105.9, 106.4])
+    assert due[8] is None
+    assert len(schedule) == 8  # full to the longest wait: the ninth is not booked
+    assert schedule.place("c", 0, earliest=math.inf, latest=6, pace=1.0) is None
+    assert schedule.place("c", 0, earliest=9, latest=6, pace=1.0) is None  # beyond what it may say
+    assert schedule.place("c", 0, earliest=1, latest=6, pace=0.0) is None
+    schedule.forget({"b"})
+    assert len(schedule) == 0
+    assert schedule.place("a", 100.4, earliest=2.5, latest=6, pace=2.0) == pytest.approx(102.9)
 
 
-def test_a_burst_of_rejections_is_told_to_come_back_at_the_pace_the_lane_drains() -> None:
-    s, now = drained_scheduler(rate_per_s=4.0)
+def test_a_claim_takes_one_booking_of_its_own_tenant_and_lane_around_its_due_time() -> None:
+    schedule = ReturnSchedule()
+    schedule.book("a", "acme", 10.0, 1.0, first=3.0, now=0)
+    schedule.book("a", "acme", 11.0, 1.0, first=4.0, now=0)
+    assert schedule.claim("a", "globex", 10.0) is None  # another tenant's booking: nothing
+    assert schedule.claim("b", "acme", 10.0) is None  # another lane's: nothing
+    assert schedule.claim("a", "acme", 8.9) is None  # more than EARLY before it is due
+    assert schedule.claimable("a", "acme", 9.5)  # asking consumes nothing
+    assert schedule.claim("a", "acme", 9.5) == 3.0  # the earliest, with its first attempt's arrival
+    assert schedule.claim("a", "acme", 10.2) == 4.0
+    assert schedule.claim("a", "acme", 10.4) is None  # both consumed: a third retry is ordinary
+    assert len(schedule) == 0
+
+
+def test_bookings_lapse_late_after_their_due_time() -> None:
+    schedule = ReturnSchedule()
+    schedule.book("a", "t", 10.0, 1.0, first=0.0, now=0)
+    schedule.book("a", "u", 10.0, 1.0, first=0.0, now=0)
+    assert not schedule.claimable("a", "t", 10.0 + schedule.LATE + 0.01)
+    assert schedule.claim("a", "t", 10.0 + schedule.LATE + 0.01) is None
+    assert len(schedule) == 1  # u's is still counted until a sweep
+    schedule.expire(100.0)
+    assert len(schedule) == 0
+
+
+def full_lane(rate_per_s: float = 4.0, **policy: object) -> tuple[Scheduler, float]:
+    """Lane a kept busy at ``rate_per_s``, then its queue filled (50 places)."""
+    s, now = drained_scheduler(rate_per_s, **policy)
     for _ in range(50):
         s.submit("a", "t", job(), now)
-    told = [s.submit("a", "t", job(), now)[0].retry_after for _ in range(40)]  # the queue is full
-    assert all(t is not None for t in told)
-    per_second = Counter(told)
-    assert max(per_second.values()) <= 4  # no wave: at most what the lane completes per second
-    assert min(t for t in told if t is not None) >= 10  # 51 ahead at 4/s: not before the drain
-    assert len(per_second) >= 8
+    return s, now
+
+
+def test_a_booked_retry_claims_its_place_and_a_forged_one_gains_nothing() -> None:
+    s, now = full_lane()
+    # A retry header alone holds no booking: refused like any request (and booked, as any is).
+    rejected = s.submit("a", "t", job(), now, retry=True)[0]
+    assert rejected.outcome is Outcome.REJECTED
+    assert rejected.ticket.first is None
+    assert rejected.retry_after_ms is not None
+    assert rejected.retry_allowed
+    due = now + rejected.retry_after_ms / 1000
+    # Meanwhile the lane moved on: slots freed and newer arrivals refilled the queue.
+    later = now + 2
+    for ticket in list(s._inflight["a"].values()):
+        s.release(ticket, later)
+    while s.submit("a", "t", job(), later)[0].outcome is Outcome.QUEUED:
+        pass
+    assert s.submit("a", "t", job(), due - 2, retry=True)[0].outcome is Outcome.REJECTED  # too early
+    # The booked client comes back on time: it ranks from its first attempt, ahead of what arrived
+    # since, and takes the place of the worst of those.
+    back, evicted = s.submit("a", "t", job(), due, retry=True)
+    assert back.outcome is Outcome.QUEUED
+    assert back.ticket.first == rejected.ticket.arrival == back.ticket.entry.rank
+    assert [d.reason for d in evicted] == [Reason.EVICTED]
+    assert evicted[0].ticket.arrival == later
+    # Its booking is spent: the same claim again is an ordinary (refused) request.
+    again = s.submit("a", "t", job(), due, retry=True)[0]
+    assert again.outcome is Outcome.REJECTED
+    assert again.ticket.first is None
+
+
+def test_a_rejection_when_the_schedule_is_full_says_do_not_retry() -> None:
+    s, now = full_lane(retry_after={"max": 6, "share": 0.1})
+    told = [s.submit("a", "t", job(), now)[0] for _ in range(10)]
+    booked = [d for d in told if d.retry_after_ms is not None]
+    # 0.1 of 4/s: a return every 2.5 s, from the longest allowed (the drain is beyond it) to it.
+    assert len(booked) == 1
+    assert booked[0].retry_allowed
+    assert all(not d.retry_allowed and d.retry_after_ms is None for d in told if d not in booked)
+
+
+def test_no_room_in_the_retry_budget_books_nothing() -> None:
+    s, now = full_lane()
+    s.permit = lambda now: False
+    d = s.submit("a", "t", job(), now)[0]
+    assert not d.retry_allowed
+    assert d.retry_after_ms is None
+    assert s.bookings == 0
+
+
+def test_the_edge_lets_a_booked_retry_through_and_sheds_a_forged_one() -> None:
+    s, now = full_lane()
+    pressure = SchedulerPressure(s, lambda: now)
+    told = pressure.retry_after("a", Reason.QUEUE_FULL, pressure.drain_s("a"), "acme")
+    assert told.booked
+    due = now + (told.ms or 0) / 1000
+    later = SchedulerPressure(s, lambda: due)
+    assert later.claimable("a", "acme")
+    assert not later.claimable("a", "globex")
+    assert not SchedulerPressure(s, lambda: due + 10).claimable("a", "acme")  # lapsed
 
 
 def test_a_lane_idle_for_hours_keeps_its_pace_and_never_breaks_retry_after() -> None:
@@ -140,8 +233,8 @@ def test_a_rate_too_slow_to_say_falls_back_to_list_scheduling() -> None:
     assert s.drain_rate("a", 10_000) is None  # decayed below one per 1,000 s: not a pace
     assert s.drain_wait("a", 10_000) == pytest.approx(s.backlog_wait("a", 10_000))
     assert s.submit("a", "t", job(), 10_000)[0].outcome is Outcome.QUEUED  # no OverflowError
-    told = s.retry_after(Reason.QUEUE_FULL, "a", 10_000)
-    assert 1 <= told <= s.policy.retry_after.max
+    told = s.retry_after(Reason.QUEUE_FULL, "a", 10_000, tenant="t")
+    assert 1 <= told.seconds <= s.policy.retry_after.max
 
 
 def test_fleet_rate_rebaselines_after_missed_readings() -> None:
@@ -163,3 +256,78 @@ def test_this_replica_s_own_rate_drains_only_its_own_queue() -> None:
     assert s.drain_wait("a", now) == pytest.approx(4 / 4.0, rel=0.1)
     s.set_drain_rates({"a": 8.0}, replicas=2)
     assert s.drain_wait("a", now) == pytest.approx(44 / 8.0)
+
+
+def test_a_burst_of_rejections_is_told_to_come_back_at_the_schedule_s_pace() -> None:
+    s, now = full_lane(retry_after={"share": 0.5})
+    told = [s.submit("a", "t", job(), now)[0] for _ in range(40)]  # the queue is full
+    returns = [now + d.retry_after_ms / 1000 for d in told if d.retry_after_ms is not None]
+    # Half of 4/s: one return every 0.5 s (to the millisecond), from the drain (51 ahead at 4/s)
+    # on; then the schedule is full to the longest allowed (30 s): the rest are told not to retry.
+    assert returns[0] - now >= 51 / 4 - 0.01
+    gaps = [b - a for a, b in itertools.pairwise(returns)]
+    rate = s.drain_rate("a", now)
+    assert rate == pytest.approx(4.0, rel=0.05)
+    assert len(gaps) > 10
+    assert all(g == pytest.approx(1 / (0.5 * rate), abs=0.002) for g in gaps)
+    assert all(not d.retry_allowed for d in told[len(returns):])
+    assert all(1 <= d.retry_after <= 30 for d in told)
+
+
+def test_returns_spread_evenly_once_the_schedule_is_busy() -> None:
+    s, now = full_lane(retry_after={"share": 1.0, "max": 60})
+    s.set_others({}, {}, now)
+    per_second: Counter[int] = Counter()
+    for k in range(200):  # rejections keep coming, 10 a second
+        d = s.submit("a", "t", job(), now + k / 10)[0]
+        if d.retry_after_ms is not None:
+            per_second[int(now + k / 10 + d.retry_after_ms / 1000)] += 1
+    assert per_second
+    assert max(per_second.values()) <= 5
+
+
+def test_returns_take_at_most_their_share_of_the_lane_s_slot_time() -> None:
+    # Half of the lane's 2 slots: 1 slot-second per second for returns, at most 20 s worth held.
+    s, now = full_lane(retry_after={"share": 0.5, "max": 20})
+    for _ in range(2):
+        assert s.submit("a", "t", job(8.0), now)[0].retry_after_ms is not None
+    longer = s.submit("a", "t", job(8.0), now)[0]  # 4 slot-seconds left: not booked
+    assert not longer.retry_allowed
+    assert longer.retry_after_ms is None
+    short = s.submit("a", "t", job(1.0), now)[0]  # but a short job still is
+    assert short.retry_after_ms is not None
+    # The allowance refills at its rate: 8 s later a long job fits again.
+    assert s.submit("a", "t", job(8.0), now + 8)[0].retry_after_ms is not None
+
+
+def test_the_drain_counts_only_what_is_ahead_of_the_request_s_place() -> None:
+    s, now = drained_scheduler(rate_per_s=4.0)
+    for i in range(8):
+        s.submit("a", "t", job(), now + i / 100)  # sjf_weight 0: ranked by arrival
+    later = now + 0.1
+    rate = s.drain_rate("a", later)
+    assert rate is not None
+    assert s.drain_wait("a", later) == pytest.approx(9 / rate, rel=0.01)  # behind all 8 (the edge's)
+    assert s.drain_wait("a", later, rank=now + 0.035) == pytest.approx(5 / rate, rel=0.01)  # 4 ahead
+    s.set_others({}, {"a": 8}, later)
+    s.set_drain_rates({"a": rate}, replicas=2)
+    # The other replicas' queue counts in the share this one's has ahead: half of 8.
+    assert s.drain_wait("a", later, rank=now + 0.035) == pytest.approx(9 / rate, rel=0.01)
+
+
+def test_a_booked_return_is_not_refused_by_the_retry_budget_after_its_reservation_lapsed() -> None:
+    policy = make_policy([lane("a", 2, max_queued=50)], retry_after={"max": 30, "share": 1, "jitter": 0},
+                         retry_budget={"ratio": 0, "min_per_second": 0.2, "window": "10s"})
+    gate = Gatekeeper(policy, random.Random(0))
+    _, now = drained_scheduler(rate_per_s=4.0, scheduler=gate.scheduler)
+    while (told := gate.submit("a", "t", job(), now).decision).outcome is Outcome.QUEUED:
+        pass
+    assert told.retry_after_ms is not None  # full: a retry reserved, a return booked
+    due = now + told.retry_after_ms / 1000
+    assert due - now > 10  # beyond the budget's window: the reservation lapses first
+    # Other clients' unbooked retries take what the budget allows meanwhile.
+    refused = [gate.submit("a", "u", job(), due - 1.5, retry=True).decision.reason for _ in range(5)]
+    assert Reason.RETRY_BUDGET in refused
+    back = gate.submit("a", "t", job(), due, retry=True).decision
+    assert back.reason is not Reason.RETRY_BUDGET
+    assert back.ticket.first is not None  # it claimed its booking

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from extproc.controller import Controller
 from extproc.core.classify import Classifier, RequestFacts
 from extproc.core.decision import Reason
+from extproc.core.drain import Told
 from extproc.core.estimate import Job
 from extproc.core.retry import retry_after
 from extproc.metrics import Metrics, RateLimitMetrics
@@ -84,10 +85,13 @@ class FakePressure:
         self.drained.append(lane)
         return self.drain
 
-    def retry_after(self, lane: str, reason: Reason, drain: float) -> int:
+    def retry_after(self, lane: str, reason: Reason, drain: float, tenant: str) -> Told:
         # As a scheduler that has not measured a completion rate yet: its drain, jittered.
         config = self.policy.retry_after
-        return retry_after(drain if reason.retry_helps else config.max, config, self.rng)
+        return Told(retry_after(drain if reason.retry_helps else config.max, config, self.rng))
+
+    def claimable(self, lane: str, tenant: str) -> bool:
+        return False
 
     def load(self, lane: str, *, inflight: int | None = None, queued: int = 0, **extra: Any) -> None:
         """Set a lane's load; a slot is free (as the scheduler would say) while it is under its limit

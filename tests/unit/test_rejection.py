@@ -42,7 +42,7 @@ POLICY = Policy.model_validate({
     "lanes": [{"name": "open", "max_inflight": 1, "max_queued": 0, "deadline": "5s"},
               {"name": "shut", "max_inflight": 1, "deadline": "5s", "closed": True}],
     "classification": {"default_lane": "open"},
-    "retry_after": {"min": "1s", "max": "20s", "jitter": 0},
+    "retry_after": {"min": "1s", "max": "20s", "jitter": 0, "share": 1},
     "estimation": {"default": {"decode_ms_per_token": 1, "overhead_ms": 0}},
 })
 
