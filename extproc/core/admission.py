@@ -22,6 +22,7 @@ import heapq
 import itertools
 import math
 import random
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -432,8 +433,12 @@ class Scheduler:
         lane = self._lanes[lane_name]
         predicted = self.estimator.predict(job, self.occupancy())
         # A retry of the tenant that was told to come back about now claims that booking; a retry
-        # without one (or a client that only says it retries) is an ordinary request.
-        first = self._schedule.claim(lane.name, tenant, now) if retry else None
+        # without one (or a client that only says it retries) is an ordinary request. Only a tenant
+        # the gateway vouches for may claim (anyone may say they are the default tenant), and the
+        # place kept is at most a lane's deadline old (re-bookings cannot age it further).
+        first = self._schedule.claim(lane.name, tenant, now) if retry and self._vouched(tenant) else None
+        if first is not None:
+            first = max(first, now - lane.deadline)
         ticket = Ticket(next(self._ids), lane.name, tenant, job, now, now + lane.deadline,
                         predicted, retry=retry, first=first)
         if self.draining:
@@ -497,7 +502,8 @@ class Scheduler:
             # behind it (its place was kept).
             crowded = queue.crowding(ticket.tenant) if lane.max_queued else None
             if crowded is None and ticket.first is not None and lane.max_queued:
-                worst = queue.worst()
+                # Only its own tenant's place: a returning retry never pushes out another tenant.
+                worst = queue.worst_of(ticket.tenant)
                 crowded = worst if worst is not None and worst.rank > rank else None
             if crowded is None:
                 return Outcome.REJECTED, Reason.QUEUE_FULL, None, 0.0
@@ -697,6 +703,10 @@ class Scheduler:
             # This replica's part of share of the lane's slots, as slot-seconds per second.
             supply = config.share * self._limits.get(lane, 0) / share
             work = predicted or 0.0
+            cap = self._booking_cap(lane, tenant, pace, high, work, supply)
+            if self._schedule.booked(lane, tenant) >= cap:
+                # Its tenant holds its share of the returns: no place can be promised to this one.
+                return Told(retry_after(drain, config, self._rng), allowed=False)
             due = self._schedule.place(lane, now, earliest, high, pace, work=work, supply=supply)
             if due is None:
                 # Booked to the longest wait allowed: no return within it can be promised.
@@ -725,8 +735,39 @@ class Scheduler:
 
     def claimable(self, lane: str, tenant: str, now: float) -> bool:
         """Whether a retry of ``tenant`` to ``lane`` arriving now would claim a booking (the edge
-        lets it through to ext_proc, which claims it)."""
-        return self._schedule.claimable(lane, tenant, now)
+        lets one retry per booking through to ext_proc, which claims it)."""
+        return self._vouched(tenant) and self._schedule.claimable(lane, tenant, now)
+
+    def holds_booking(self, lane: str, tenant: str, now: float) -> bool:
+        """Whether a retry of ``tenant`` to ``lane`` arriving now would claim a booking (nothing is
+        taken: ext_proc's own check before it submits)."""
+        return self._vouched(tenant) and self._schedule.holds(lane, tenant, now)
+
+    def _vouched(self, tenant: str) -> bool:
+        """Whether ``tenant`` came from a header the gateway vouches for (not the default)."""
+        tenants = self.policy.tenants
+        return (tenants.header is not None and tenants.header in self.policy.trusted_headers
+                and tenant != tenants.default)
+
+    def _booking_cap(self, lane: str, tenant: str, pace: float, high: float, work: float,
+                     supply: float) -> int:
+        """How many bookings ``tenant`` may hold on ``lane``'s schedule: its weight's share of the
+        returns the longest wait holds (places at ``pace``, and the slot time allowed for returns,
+        ``supply``, in jobs of this one's ``work``), among the tenants queued or booked there: one
+        tenant's flood of rejections cannot take every return."""
+        tenants = self.policy.tenants
+        active = {tenant, *self._schedule.tenants(lane)}
+        queue = self._queues.get(lane)
+        if queue is not None:
+            active.update(queue.tenants())
+        weights = {name: tenants.weights.get(name, tenants.default_weight) for name in active}
+        share = weights[tenant] / sum(weights.values())
+        if share >= 1:
+            return sys.maxsize  # alone: the schedule's own limits are all there is
+        returns = pace * high
+        if work > 0 and math.isfinite(supply):
+            returns = min(returns, supply * high / work)
+        return max(1, math.ceil(share * returns))
 
     @property
     def bookings(self) -> int:
@@ -804,8 +845,8 @@ class Scheduler:
                 if worst is not None:
                     return self._tickets_by_entry[worst.id]
         if ticket is not None and ticket.first is not None:
-            # A returning retry with its booking: the worst of its own lane ranked behind it.
-            worst = self._queues[incoming.name].worst()
+            # A returning retry with its booking: its own tenant's worst entry ranked behind it.
+            worst = self._queues[incoming.name].worst_of(ticket.tenant)
             if worst is not None and worst.rank > self.rank(ticket):
                 return self._tickets_by_entry[worst.id]
         return None

@@ -148,6 +148,9 @@ class ReturnSchedule:
     LATE = 2.0
     #: Bookings held at most (over every lane and tenant): beyond it the schedule is full.
     LIMIT = 100_000
+    #: How long the edge's pass for a booking holds (ext_proc claims it within milliseconds): one
+    #: booking lets one retry past the edge, not every request that says it retries.
+    PASS_HOLD = 1.0
 
     def __init__(self) -> None:
         self._next: dict[str, float] = {}
@@ -158,6 +161,8 @@ class ReturnSchedule:
         self._sweep_at = -math.inf
         # lane -> (slot-seconds left for returns, as of when)
         self._work: dict[str, tuple[float, float]] = {}
+        # (lane, tenant) -> when the edge let a retry through for one of its bookings
+        self._passes: dict[tuple[str, str], deque[float]] = {}
 
     def __len__(self) -> int:
         return self._size
@@ -209,9 +214,34 @@ class ReturnSchedule:
         return first
 
     def claimable(self, lane: str, tenant: str, now: float) -> bool:
-        """Whether :meth:`claim` would find a booking now (the edge asks; nothing is consumed)."""
+        """Whether :meth:`claim` would find a booking now that no retry was let through for in the
+        last ``PASS_HOLD`` s (the edge asks; when true, that booking's pass is taken)."""
+        booked = self._live(lane, tenant, now)
+        if booked is None:
+            return False
+        due = sum(1 for when, _ in booked if when - self.EARLY <= now)
+        passes = self._passes.setdefault((lane, tenant), deque())
+        while passes and passes[0] + self.PASS_HOLD < now:
+            passes.popleft()
+        if due <= len(passes):
+            if not passes:
+                del self._passes[(lane, tenant)]
+            return False
+        passes.append(now)
+        return True
+
+    def holds(self, lane: str, tenant: str, now: float) -> bool:
+        """Whether :meth:`claim` would find a booking now (nothing is taken)."""
         booked = self._live(lane, tenant, now)
         return booked is not None and booked[0][0] - self.EARLY <= now
+
+    def booked(self, lane: str, tenant: str) -> int:
+        """Bookings ``tenant`` holds on ``lane``'s schedule (lapsed ones until swept)."""
+        return len(self._booked.get((lane, tenant), ()))
+
+    def tenants(self, lane: str) -> set[str]:
+        """The tenants holding bookings on ``lane``'s schedule."""
+        return {tenant for (name, tenant) in self._booked if name == lane}
 
     def _live(self, lane: str, tenant: str, now: float) -> deque[tuple[float, float]] | None:
         booked = self._booked.get((lane, tenant))
@@ -228,6 +258,9 @@ class ReturnSchedule:
     def _sweep(self, now: float) -> None:
         for lane, tenant in list(self._booked):
             self._live(lane, tenant, now)
+        stale = [k for k, passes in self._passes.items() if not passes or passes[-1] + self.PASS_HOLD < now]
+        for key in stale:
+            del self._passes[key]
         self._sweep_at = now + self.LATE
 
     def expire(self, now: float) -> None:
@@ -242,3 +275,5 @@ class ReturnSchedule:
             self._work.pop(lane, None)
         for key in [key for key in self._booked if key[0] not in lanes]:
             self._size -= len(self._booked.pop(key))
+        for key in [key for key in self._passes if key[0] not in lanes]:
+            del self._passes[key]

@@ -121,7 +121,12 @@ class SchedulerPressure:
         return self._scheduler.drain_wait(lane, self._clock())
 
     def retry_after(self, lane: str, reason: Reason, drain: float, tenant: str) -> Told:
-        return self._scheduler.retry_after(reason, lane, self._clock(), drain, tenant=tenant)
+        # The edge has no body: the request is sized as ext_proc sizes one whose body it did not
+        # read (the policy's defaults), so its return spends the slot time such a request would.
+        scheduler = self._scheduler
+        estimator = scheduler.estimator
+        predicted = estimator.predict(estimator.job(None, 0, None, None), scheduler.occupancy())
+        return scheduler.retry_after(reason, lane, self._clock(), drain, tenant=tenant, predicted=predicted)
 
     def claimable(self, lane: str, tenant: str) -> bool:
         return self._scheduler.claimable(lane, tenant, self._clock())

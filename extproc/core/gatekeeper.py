@@ -99,7 +99,7 @@ class Gatekeeper:
         # A retry holding a booked return had its retry reserved when it was told to come back: it
         # goes through even if that reservation lapsed with the budget's window meanwhile.
         if (retry and self.policy.retry_budget.enabled and not self.retry_budget.try_withdraw(now)
-                and not self.scheduler.claimable(lane, tenant, now)):
+                and not self.scheduler.holds_booking(lane, tenant, now)):
             if not self.scheduler.shadowed(lane):
                 return Submitted(self.scheduler.refuse(lane, tenant, job, Reason.RETRY_BUDGET, now))
             shadowed = True  # counted as what enforcing would have done, then decided as usual

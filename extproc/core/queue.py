@@ -185,5 +185,12 @@ class LaneQueue:
         """The entry with the worst rank: the one to evict first."""
         return max(self.entries(), key=lambda e: (e.rank, e.id), default=None)
 
+    def worst_of(self, tenant: str) -> Entry | None:
+        """``tenant``'s entry with the worst rank (None: it has none queued)."""
+        state = self._tenants.get(tenant)
+        if state is None:
+            return None
+        return max((e for _, _, _, e in state.heap if e.queued), key=lambda e: (e.rank, e.id), default=None)
+
     def tenants(self) -> dict[str, int]:
         return {name: t.size for name, t in self._tenants.items() if t.size}

@@ -41,7 +41,8 @@ POLICY = Policy.model_validate({
     "trusted_headers": ["x-extproc-client"],
     "classification": {"default_lane": "interactive"},
     "tenants": {"header": "x-extproc-client", "default": "anon"},
-    "retry_after": {"min": 1, "max": 30, "jitter": 0},
+    # share 1: the lane's one slot may go to returns (a 4 s request fits its allowance).
+    "retry_after": {"min": 1, "max": 30, "jitter": 0, "share": 1},
 })
 CHAT = {"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]}
 

@@ -280,3 +280,21 @@ def test_sim_load_clients_that_do_not_ask_for_usage_are_charged_what_the_backend
     # 12 tokens generated and the backend's count of the prompt, for every one of them.
     assert gateway.reported()[1] >= ok * 12
     assert gateway.estimated() == (0, 0)
+
+
+def test_without_a_token_budget_a_request_makes_one_rate_limit_call_not_two(
+        make_env: Callable[..., Env]) -> None:
+    # Nothing to charge: the usage descriptor is not even sent (its admission entry has no default).
+    env = make_env(POLICY.split("ratelimit:")[0])
+    for _ in range(3):
+        response = httpx.post(env.url + "/v1/chat/completions", json={"model": "m", "stream": True},
+                              headers={"authorization": f"Bearer {DEMO_KEYS['acme']}"}, timeout=30)
+        assert response.status_code == 200
+    deadline = time.monotonic() + 5
+    while env.metric("extproc_ratelimit_decisions_total", lane="interactive", code="ok", reason="none",
+                     shadow="false") < 3:
+        assert time.monotonic() < deadline, "the edge never judged the three arrivals"
+        time.sleep(0.05)
+    time.sleep(0.3)  # a stream-end call would come right after the response
+    assert env.metric("extproc_ratelimit_usage_unknown_total") == 0
+    assert env.metric("extproc_ratelimit_usage_reports_total") == 0

@@ -43,7 +43,9 @@ def test_fleet_rate_reads_counters_and_survives_a_reset() -> None:
 
 def drained_scheduler(rate_per_s: float, seconds: float = 30.0, scheduler: Scheduler | None = None,
                       **policy: object) -> tuple[Scheduler, float]:
-    """Lane a (2 slots) kept full for ``seconds`` with completions at ``rate_per_s``."""
+    """Lane a (2 slots) kept full for ``seconds`` with completions at ``rate_per_s``; tenants come
+    from a header the gateway vouches for (only such a tenant may claim a booked return)."""
+    policy = {"tenants": {"header": "x-tenant"}, "trusted_headers": ["x-tenant"], **policy}
     s = scheduler or Scheduler(make_policy([lane("a", 2, max_queued=50)], **policy), rng=random.Random(0))
     now = 0.0
     running = [s.submit("a", "t", job(), now)[0].ticket for _ in range(2)]
@@ -59,7 +61,8 @@ def drained_scheduler(rate_per_s: float, seconds: float = 30.0, scheduler: Sched
 
 
 def test_drain_wait_is_the_queue_ahead_over_the_measured_rate() -> None:
-    s, now = drained_scheduler(rate_per_s=4.0)
+    # Short requests (16 tokens unless a body says otherwise): a return fits the lane's allowance.
+    s, now = drained_scheduler(rate_per_s=4.0, estimation={"default_max_tokens": 16})
     assert s.drain_rate("a", now) == pytest.approx(4.0, rel=0.1)
     for _ in range(7):
         assert s.submit("a", "t", job(), now)[0].outcome is Outcome.QUEUED
@@ -75,6 +78,14 @@ def test_drain_wait_is_the_queue_ahead_over_the_measured_rate() -> None:
     # half of 10/s is one return per 2.5 s, so ceil(4.5) = 5 s.
     told = edge.retry_after("a", Reason.QUEUE_FULL, edge.drain_s("a"), "t")
     assert (told.seconds, told.ms, told.booked, told.allowed) == (2, 2000, True, True)
+    # Sized as ext_proc sizes a request whose body it did not read: the return's slot time is
+    # spent as ext_proc would spend it (a long default size finds none: no return promised).
+    long_jobs, _ = drained_scheduler(rate_per_s=4.0, estimation={"default_max_tokens": 4000})
+    for _ in range(7):
+        long_jobs.submit("a", "t", job(), now)
+    edge = SchedulerPressure(long_jobs, lambda: now)
+    told = edge.retry_after("a", Reason.QUEUE_FULL, edge.drain_s("a"), "t")
+    assert (told.booked, told.allowed) == (False, False)
     assert s.retry_after(Reason.QUEUE_FULL, "a", now, tenant="t").seconds == 5
 
 
@@ -126,7 +137,7 @@ def test_a_claim_takes_one_booking_of_its_own_tenant_and_lane_around_its_due_tim
     assert schedule.claim("a", "globex", 10.0) is None  # another tenant's booking: nothing
     assert schedule.claim("b", "acme", 10.0) is None  # another lane's: nothing
     assert schedule.claim("a", "acme", 8.9) is None  # more than EARLY before it is due
-    assert schedule.claimable("a", "acme", 9.5)  # asking consumes nothing
+    assert schedule.claimable("a", "acme", 9.5)  # asking takes a pass, not the booking
     assert schedule.claim("a", "acme", 9.5) == 3.0  # the earliest, with its first attempt's arrival
     assert schedule.claim("a", "acme", 10.2) == 4.0
     assert schedule.claim("a", "acme", 10.4) is None  # both consumed: a third retry is ordinary
@@ -179,6 +190,58 @@ def test_a_booked_retry_claims_its_place_and_a_forged_one_gains_nothing() -> Non
     again = s.submit("a", "t", job(), due, retry=True)[0]
     assert again.outcome is Outcome.REJECTED
     assert again.ticket.first is None
+
+
+def test_the_default_tenant_cannot_claim_anyones_return() -> None:
+    # Without a tenant the gateway vouches for, anyone is the default tenant: no claims at all.
+    s, now = drained_scheduler(4.0, tenants={"header": "x-tenant", "default": "anonymous"})
+    for _ in range(50):
+        s.submit("a", "anonymous", job(), now)
+    rejected = s.submit("a", "anonymous", job(), now)[0]
+    assert rejected.retry_after_ms is not None  # told when to come back, as anyone
+    due = now + rejected.retry_after_ms / 1000
+    assert not s.holds_booking("a", "anonymous", due)
+    assert not s.claimable("a", "anonymous", due)
+    assert s.submit("a", "anonymous", job(), due, retry=True)[0].ticket.first is None
+
+
+def test_a_claimed_return_displaces_only_its_own_tenants_entries() -> None:
+    # u weighs so much that fair share never pushes u out for t; the queue is full of u's.
+    s, now = drained_scheduler(4.0, tenants={"header": "x-tenant", "weights": {"u": 100}})
+    for _ in range(50):
+        s.submit("a", "u", job(), now)
+    s._schedule.book("a", "t", now + 1, 1.0, first=0.0, now=now)  # t was told to come back now
+    back, evicted = s.submit("a", "t", job(), now + 1, retry=True)
+    # Its place is older than every u entry, but none of them is t's to give up.
+    assert back.ticket.first is not None
+    assert back.outcome is Outcome.REJECTED
+    assert evicted == []
+
+
+def test_one_tenant_cannot_take_every_return() -> None:
+    def booked_for_t(u_waits: bool) -> int:
+        s, now = full_lane(retry_after={"max": 60, "share": 0.5}, tenants={"weights": {"t": 1, "u": 1}})
+        if u_waits:
+            s._schedule.book("a", "u", now + 1, 1000.0, first=now, now=now)  # u holds a return too
+        told = [s.submit("a", "t", job(), now)[0] for _ in range(200)]
+        assert not told[-1].retry_allowed
+        return sum(1 for d in told if d.retry_after_ms is not None)
+
+    alone, shared = booked_for_t(False), booked_for_t(True)
+    # 0.5 of 4/s over 60 s: 120 places; t alone takes what fits of them after the drain (the slot
+    # time allowed for returns bounds it too), and no more than half of all once u waits too.
+    assert alone >= 50
+    assert shared <= alone / 2 + 1
+
+
+def test_the_edge_lets_one_retry_through_per_booking() -> None:
+    schedule = ReturnSchedule()
+    schedule.book("a", "acme", 10.0, 1.0, first=3.0, now=0)
+    assert schedule.claimable("a", "acme", 10.0)
+    assert not schedule.claimable("a", "acme", 10.1)  # the pass is taken: the next one is shed
+    assert schedule.claimable("a", "acme", 10.0 + schedule.PASS_HOLD + 0.2)  # not claimed: again
+    assert schedule.claim("a", "acme", 11.3) == 3.0
+    assert not schedule.claimable("a", "acme", 11.4)
 
 
 def test_a_rejection_when_the_schedule_is_full_says_do_not_retry() -> None:
@@ -317,7 +380,8 @@ def test_the_drain_counts_only_what_is_ahead_of_the_request_s_place() -> None:
 
 def test_a_booked_return_is_not_refused_by_the_retry_budget_after_its_reservation_lapsed() -> None:
     policy = make_policy([lane("a", 2, max_queued=50)], retry_after={"max": 30, "share": 1, "jitter": 0},
-                         retry_budget={"ratio": 0, "min_per_second": 0.2, "window": "10s"})
+                         retry_budget={"ratio": 0, "min_per_second": 0.2, "window": "10s"},
+                         tenants={"header": "x-tenant"}, trusted_headers=["x-tenant"])
     gate = Gatekeeper(policy, random.Random(0))
     _, now = drained_scheduler(rate_per_s=4.0, scheduler=gate.scheduler)
     while (told := gate.submit("a", "t", job(), now).decision).outcome is Outcome.QUEUED:
