@@ -3,10 +3,12 @@
 Run as ``python bench/noop_extproc.py PORT [--body auto|never]``. It follows the same message
 contract as ``extproc serve`` against the shipped ``envoy/envoy.yaml`` (request headers sent,
 ``response_trailer_mode: SEND`` so the stream lasts as long as the HTTP request) but makes no
-decision: request headers get CONTINUE, a request body gets CONTINUE, trailers get an empty
-trailers answer. With ``--body auto`` (the default) a request that has a body is asked for it
-with the same ``mode_override`` extproc uses, so the no-op pays the same extra gRPC round as a
-body-reading policy; ``--body never`` compares with a headers-only policy.
+decision: request headers get CONTINUE with ``x-extproc-lane: default`` set (the shipped
+admission gate lets only requests carrying that header through, and extproc sets it on every
+admission), a request body gets CONTINUE, trailers get an empty trailers answer. With
+``--body auto`` (the default) a request that has a body is asked for it with the same
+``mode_override`` extproc uses, so the no-op pays the same extra gRPC round as a body-reading
+policy; ``--body never`` compares with a headers-only policy.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
@@ -39,6 +42,12 @@ NO_BODY_MODE = ProcessingMode()
 NO_BODY_MODE.CopyFrom(BODY_MODE)
 NO_BODY_MODE.request_body_mode = ProcessingMode.NONE
 _CONTINUE = pb.CommonResponse(status=pb.CommonResponse.CONTINUE)
+#: CONTINUE that passes the admission gate (header values must go in raw_value).
+_ADMIT = pb.CommonResponse(
+    status=pb.CommonResponse.CONTINUE,
+    header_mutation=pb.HeaderMutation(set_headers=[
+        HeaderValueOption(header=HeaderValue(key="x-extproc-lane", raw_value=b"default"))]),
+)
 
 
 class NoopProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -53,7 +62,7 @@ class NoopProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         async for message in request_iterator:
             kind = message.WhichOneof("request")
             if kind == "request_headers":
-                headers = pb.HeadersResponse(response=_CONTINUE)
+                headers = pb.HeadersResponse(response=_ADMIT)
                 if self.read_body and not message.request_headers.end_of_stream:
                     yield pb.ProcessingResponse(request_headers=headers, mode_override=BODY_MODE)
                 else:
