@@ -161,6 +161,11 @@ class Metrics:
             "extproc_saturation_rejections", "Requests shed because a cluster signal says the backend is "
             "saturated, by lane, saturation rule and signal.", ["lane", "rule", "signal"], registry=registry,
         )
+        self.store_script_errors = Counter(
+            "extproc_store_script_errors", "Calls to the shared store that failed with an error reply while "
+            "the store was up (a script's own failure, not an outage: the replica stays healthy), by script.",
+            ["script"], registry=registry,
+        )
         self.ledger_refusals = Counter(
             "extproc_ledger_refusals", "Admissions the shared store refused (the request went back to its "
             "queue), by lane and why: the cluster-wide counts were higher than this replica had seen, or "

@@ -66,6 +66,15 @@ class LedgerUnavailable(Exception):
     """The shared store could not be reached (or answered with an error) in time."""
 
 
+class StoreScriptError(LedgerUnavailable):
+    """One script failed on a store that is up (an error reply of that call alone): the call's answer
+    is lost, as with an outage, but the store is not degraded and other calls go on."""
+
+    def __init__(self, script: str, message: str) -> None:
+        super().__init__(message)
+        self.script = script
+
+
 @dataclass(frozen=True, slots=True)
 class LaneLimits:
     name: str

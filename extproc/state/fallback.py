@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -282,6 +282,9 @@ class FallbackLedger:
     def on_freed(self, callback: FreedCallback) -> None:
         self._callbacks.append(callback)
         self.primary.on_freed(callback)
+
+    def on_script_error(self, callback: Callable[[str], None]) -> None:
+        self.primary.on_script_error(callback)
 
     def _wake(self, lane: str) -> None:
         if self._loop is None or self._loop.is_closed():

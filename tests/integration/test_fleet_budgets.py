@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from extproc.core.budget import Budget, Rate
-from extproc.state import BucketOp, LedgerUnavailable
+from extproc.state import BucketOp, LedgerUnavailable, StoreScriptError
 from extproc.state.fallback import FailMode, FallbackLedger
 from extproc.state.redis import RedisLedger
 from tests.integration.test_state_redis import RedisServer, server, shared_server  # noqa: F401
@@ -159,3 +159,26 @@ async def test_the_fallback_refuses_at_once_while_redis_is_away(server: RedisSer
     finally:
         await ledger.close()
 
+
+
+async def test_thousands_of_queued_pairs_are_read_and_an_error_reply_is_not_an_outage(
+        shared_server: RedisServer) -> None:  # noqa: F811
+    primary = RedisLedger(shared_server.url, prefix=f"t{uuid.uuid4().hex[:8]}", renew=False, timeout=1.0)
+    ledger = FallbackLedger(primary, mode=FailMode.OPEN, retry_interval=0.1)
+    errors: list[str] = []
+    ledger.on_script_error(errors.append)
+    await ledger.start()
+    try:
+        pairs = [("chat", f"tenant-{i}") for i in range(9000)]  # more than Lua's unpack can take
+        assert await ledger.served({pair: 1.0 for pair in pairs}, pairs) == {}
+        assert await ledger.served({}, pairs) == {}
+        assert len(primary._served_seen) == 9000
+        assert (ledger.degraded, primary.healthy) == (False, True)
+        # An error reply of one call (here an unknown command) is that call's failure, not an outage.
+        with pytest.raises(StoreScriptError):
+            await primary._io(lambda client: client.execute_command("NO-SUCH-COMMAND"), name="bogus")
+        assert (ledger.degraded, primary.healthy) == (False, True)
+        assert (primary.script_errors, errors) == (1, ["bogus"])
+        assert (await ledger.buckets([BucketOp("requests:t", "take", 1.0, 5.0, 1.0)]))[0].allowed
+    finally:
+        await ledger.close()
