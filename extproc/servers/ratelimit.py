@@ -20,8 +20,9 @@ With a fleet's shared store (``store``), tenant budgets are one per tenant for t
 each arrival's budget operations (``Edge.assess``) go to the store in one atomic script, and
 its answer (the levels) becomes the verdicts (``core.budget.verdict``); usage charges are queued
 by the edge and sent in the background, off the request's path. While the store is unreachable
-the replica decides alone: failing open with its part (``1 / fleet size``) of every budget,
-failing closed refusing every request that has a budget.
+the replica decides alone: failing open with its part of every budget (``1 / parts``: the
+replicas the slot ledger counts in the outage, at least the fleet size), failing closed
+refusing every request that has a budget.
 """
 
 from __future__ import annotations
@@ -181,13 +182,13 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
     def _settle_alone(self, store: BudgetStore, asks: list[Ask], now: float) -> list[Verdict]:
         if not self.alone:
             self.alone = True
-            self.log.warning("tenant budgets decided without the shared store", fleet_size=store.fleet_size,
+            self.log.warning("tenant budgets decided without the shared store", parts=store.parts,
                              mode="fail_open" if store.fail_open else "fail_closed")
         self.metrics.budget_alone.inc(len(asks))
         if not store.fail_open:
             # Nothing is known of what the fleet spent: refuse, and say when to look again.
             return [Verdict(ask.op == "charge", 0.0, 1.0, 0.0) for ask in asks]
-        parts = [Ask(ask.kind, ask.tenant, part(ask.rate, store.fleet_size), ask.amount, ask.op, ask.limit,
+        parts = [Ask(ask.kind, ask.tenant, part(ask.rate, store.parts), ask.amount, ask.op, ask.limit,
                      ask.tenant_limit) for ask in asks]
         return self.edge.settle(parts, now)
 

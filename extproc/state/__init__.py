@@ -303,13 +303,19 @@ class Level:
 class BudgetStore(Protocol):
     """Fleet-wide tenant buckets and retry-budget counts. Every call raises ``LedgerUnavailable`` at
     once while the store is unreachable; the caller then decides alone (``fail_open``: with its
-    part, ``1 / fleet_size``, of each budget; otherwise refusing)."""
+    part, ``1 / parts``, of each budget; otherwise refusing)."""
 
     @property
     def fail_open(self) -> bool: ...
 
     @property
     def fleet_size(self) -> int: ...
+
+    @property
+    def parts(self) -> int:
+        """Into how many parts budgets are split while the store is unreachable: the same count the
+        slot ledger splits its limits by (replicas seen alive, at least ``fleet_size``)."""
+        ...
 
     async def buckets(self, ops: Sequence[BucketOp], now: float | None = None) -> list[Level]:
         """Apply ``ops`` in order, atomically; ``now`` (seconds) for tests, else the store's clock."""

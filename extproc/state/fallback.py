@@ -174,15 +174,30 @@ class FallbackLedger:
         held_by[self.replica] = dict(self.primary.held)
         self._frozen = (replicas, held_by) if self._held_by else None
 
-    def _share(self, limits: Limits) -> Limits:
-        if self._frozen is not None:
-            replicas, held_by = self._frozen
-            return limits.allotment(self.replica, replicas, held_by)
+    def _everyone(self) -> list[str]:
         # Every replica seen alive lately, not only in the last answer: right after Redis restarts
         # empty, its liveness set lists only the replicas that have reconnected so far.
         horizon = time.monotonic() - 3 * self.primary.queue_ttl
         recent = {replica for replica, seen in self._seen.items() if seen >= horizon}
-        everyone = sorted(set(self.primary.alive) | recent | {self.replica})
+        return sorted(set(self.primary.alive) | recent | {self.replica})
+
+    @property
+    def parts(self) -> int:
+        """Into how many parts the fleet's limits are split while the store is away: the replicas
+        counted for the slots' share (those alive when the outage began, or seen lately), and never
+        fewer than ``fleet_size``. Tenant budgets and the retry floor are split the same way, so
+        that the replicas' parts add up to no more than the fleet's budget."""
+        if self.degraded and self._frozen is not None:
+            counted = len(self._frozen[0])
+        else:
+            counted = len(self._everyone())
+        return max(counted, self.fleet_size)
+
+    def _share(self, limits: Limits) -> Limits:
+        if self._frozen is not None:
+            replicas, held_by = self._frozen
+            return limits.allotment(self.replica, replicas, held_by)
+        everyone = self._everyone()
         if len(everyone) < self.fleet_size:
             # Replicas it has not seen may be running: the smallest part, so that the parts of every
             # replica, however they count, never add up to more than the limits.

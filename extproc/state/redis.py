@@ -667,6 +667,11 @@ class RedisLedger:
     fail_open = False
     fleet_size = 1
 
+    @property
+    def parts(self) -> int:
+        """Into how many parts the fleet's budgets are split while the store is away (bare: it raises)."""
+        return max(len(self.alive), self.fleet_size)
+
 
     def budget_key(self, name: str) -> str:
         """The Redis key of the bucket named ``name`` (``<kind>:<tenant>``)."""

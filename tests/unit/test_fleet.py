@@ -19,6 +19,8 @@ from extproc.metrics import Metrics
 from extproc.policy.ratelimit import RateLimit
 from extproc.servers.ratelimit import RateLimitService
 from extproc.state import BucketOp, LedgerUnavailable, Level
+from extproc.state.fallback import FailMode, FallbackLedger
+from extproc.state.redis import RedisLedger
 from tests.unit.test_ratelimit_service import OK, OVER, Clock, Rig, make_policy, request
 
 
@@ -34,6 +36,10 @@ class FakeStore:
         self.calls: list[list[BucketOp]] = []
         self.retry = (0, 0)
         self.sent: list[tuple[int, int]] = []
+
+    @property
+    def parts(self) -> int:
+        return self.fleet_size
 
     async def buckets(self, ops: Sequence[BucketOp], now: float | None = None) -> list[Level]:
         if self.down:
@@ -209,3 +215,35 @@ async def test_the_controller_syncs_the_retry_budget_with_the_fleet_and_goes_alo
     store.down = True
     await controller._sync_retry_budget()
     assert budget.balance(clock.now) == 10 - 1  # its third of the floor, on its own counts
+
+
+def _outage(replicas: Sequence[str], fleet_size: int = 1) -> FallbackLedger:
+    """A fallback ledger (never connected) that saw ``replicas`` alive, then lost its store."""
+    primary = RedisLedger("redis://127.0.0.1:1/0", replica=replicas[0])
+    ledger = FallbackLedger(primary, mode=FailMode.OPEN, fleet_size=fleet_size)
+    primary.alive = tuple(replicas)
+    ledger._note_alive()
+    ledger._down("gone")
+    return ledger
+
+
+async def test_in_an_outage_budgets_split_by_the_replicas_the_slot_ledger_counts() -> None:
+    ledger = _outage(["r0", "r1", "r2", "r3"])  # default flags: fleet size 1, but four replicas seen
+    assert ledger.degraded
+    assert ledger.parts == 4
+    assert _outage(["r0", "r1"], fleet_size=3).parts == 3  # never fewer than the fleet size
+    rig = Rig(budgets(requests=8, per="minute"))
+    rig.service = RateLimitService(rig.pressure, rig.metrics, lambda: rig.config, clock=rig.clock,
+                                   rng=random.Random(1), store=ledger)
+    arrival = request({"generic_key": "gpu_inference", "x-tenant-id": "t"})
+    codes = [(await rig.service.decide_shared(arrival)).overall_code for _ in range(3)]
+    assert codes == [OK, OK, OVER]  # 8 a minute / 4 replicas, not the whole budget
+
+
+async def test_in_an_outage_the_retry_floor_splits_by_the_replicas_the_slot_ledger_counts() -> None:
+    clock = Clock()
+    policy = make_policy(retry_budget={"ratio": 0.0, "min_per_second": 4.0, "window": "10s"})
+    controller = Controller(policy, Metrics(CollectorRegistry()), clock=clock,
+                            budgets=_outage(["r0", "r1", "r2", "r3"]))
+    await controller._sync_retry_budget()
+    assert controller.retry_budget.balance(clock.now) == 10  # a quarter of the fleet's 40
