@@ -182,3 +182,48 @@ async def test_thousands_of_queued_pairs_are_read_and_an_error_reply_is_not_an_o
         assert (await ledger.buckets([BucketOp("requests:t", "take", 1.0, 5.0, 1.0)]))[0].allowed
     finally:
         await ledger.close()
+
+
+@pytest.mark.parametrize(("level", "at"), [("-inf", "0"), ("inf", "0"), ("1", "inf"), ("1", "-inf"),
+                                           ("nan", "0"), ("-inf", "inf")])
+async def test_non_finite_values_in_a_bucket_are_garbage_a_full_bucket(
+        ledgers: list[RedisLedger], shared_server: RedisServer, level: str, at: str) -> None:  # noqa: F811
+    store = ledgers[0]
+    client = shared_server.client()
+    client.hset(store.budget_key("requests:x"), mapping={"level": level, "at": at})
+    for now in (None, 1_000.0):  # Redis TIME, and a time given
+        [answer] = await store.buckets([BucketOp("requests:x", "take", 1.0, 5.0, 1.0)], now)
+        assert (answer.allowed, answer.level) == (True, 4.0)
+        client.hset(store.budget_key("requests:x"), mapping={"level": level, "at": at})
+
+
+async def test_a_stored_time_ahead_of_the_stores_clock_does_not_freeze_the_refill(
+        ledgers: list[RedisLedger], shared_server: RedisServer) -> None:  # noqa: F811
+    store = ledgers[0]
+    client = shared_server.client()
+    ahead = repr(time.time() + 86_400.0)  # written by a primary whose clock was a day ahead
+    client.hset(store.budget_key("requests:y"), mapping={"level": "0", "at": ahead})
+    op = BucketOp("requests:y", "take", 100.0, 5.0, 1.0)  # 100 a second: one back in 10 ms
+    await store.buckets([op])  # on Redis TIME
+    await asyncio.sleep(0.05)
+    [answer] = await store.buckets([op])
+    assert answer.allowed
+    # The same with the time given: a step back of 500 s, then 0.2 s later.
+    client.hset(store.budget_key("requests:y"), mapping={"level": "0", "at": "1500"})
+    [answer] = await store.buckets([op], 1_000.0)
+    assert not answer.allowed
+    [answer] = await store.buckets([op], 1_000.2)
+    assert answer.allowed
+
+
+async def test_non_counts_in_the_retry_window_are_garbage(ledgers: list[RedisLedger],
+                                                         shared_server: RedisServer) -> None:  # noqa: F811
+    one, two = ledgers
+    client = shared_server.client()
+    t = 7_000_000  # ms: slots of 1 s
+    slot = t // 1000
+    client.hset(one._retry_key, mapping={f"d:{slot}:other": "inf", f"w:{slot}:other": "-inf",
+                                         f"d:{slot}:third": "nan", f"w:{slot}:third": "1.5",
+                                         f"w:{slot}:{one.replica}": "0.5", f"d:{slot}:fourth": "3"})
+    assert await one.retry_counts(2, 1, 10.0, 10, now_ms=t) == (3, 0)  # its own garbage replaced too
+    assert await two.retry_counts(0, 0, 10.0, 10, now_ms=t) == (5, 1)
