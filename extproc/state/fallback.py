@@ -138,6 +138,8 @@ class FallbackLedger:
         self.since = time.time()
         self.outages += 1
         self._freeze()
+        # Whatever the fleet serves meanwhile must not be charged at once when the store is back.
+        self.primary.forget_served()
         log.warning("ledger_degraded", reason=reason, mode=self.mode.value, replicas=len(self.primary.alive))
         if self._loop is not None and not self._loop.is_closed() and not self._closing:
             self._probe = self._loop.create_task(self._recover(), name=f"ledger-recover-{self.replica}")

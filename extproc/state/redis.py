@@ -708,11 +708,17 @@ class RedisLedger:
         for field, seconds in fields.items():
             args += [field, repr(seconds)]
         args += wanted
-        values = await self._run("served", [self._served_key], args)
-        totals: dict[str, float] = {}
-        for field, value in zip(wanted, values, strict=True):
-            with contextlib.suppress(TypeError, ValueError):
-                totals[field] = float(value)
+        try:
+            values = await self._run("served", [self._served_key], args)
+            totals: dict[str, float] = {}
+            for field, value in zip(wanted, values, strict=True):
+                with contextlib.suppress(TypeError, ValueError):
+                    totals[field] = float(value)
+        except BaseException:
+            # The script may have run and added this replica's work before the answer was lost: the
+            # totals read next would show that work as the others'. Start from a baseline instead.
+            self.forget_served()
+            raise
         seen, self._served_seen = self._served_seen, totals
         others: dict[tuple[str, str], float] = {}
         for field, total in totals.items():
@@ -723,6 +729,10 @@ class RedisLedger:
             if delta > 1e-9 and sep:
                 others[(lane, tenant)] = delta
         return others
+
+    def forget_served(self) -> None:
+        """Read the fleet's served totals afresh next time (a baseline, nothing charged)."""
+        self._served_seen = {}
 
     async def view(self) -> GlobalView:
         remote = {str(name) for name in await self._io(lambda client: client.smembers(self._lanes_key))}

@@ -12,6 +12,7 @@ import shutil
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -227,3 +228,38 @@ async def test_non_counts_in_the_retry_window_are_garbage(ledgers: list[RedisLed
                                          f"w:{slot}:{one.replica}": "0.5", f"d:{slot}:fourth": "3"})
     assert await one.retry_counts(2, 1, 10.0, 10, now_ms=t) == (3, 0)  # its own garbage replaced too
     assert await two.retry_counts(0, 0, 10.0, 10, now_ms=t) == (5, 1)
+
+
+async def test_a_served_answer_lost_after_the_script_ran_is_not_charged_as_the_others_work(
+        ledgers: list[RedisLedger]) -> None:
+    one, _ = ledgers
+    acme = ("chat", "acme")
+    assert await one.served({acme: 1.0}, [acme]) == {}  # a baseline
+    real = one._run
+
+    async def lost(name: str, keys: Any, args: Any, probe: bool = False) -> Any:
+        await real(name, keys, args, probe)  # the script runs; its answer never arrives
+        raise LedgerUnavailable("timeout")
+
+    one._run = lost  # type: ignore[method-assign]
+    with pytest.raises(LedgerUnavailable):
+        await one.served({acme: 2.0}, [acme])
+    one._run = real  # type: ignore[method-assign]
+    assert await one.served({}, [acme]) == {}  # a baseline again: its own 2.0 is not the others'
+
+
+async def test_the_served_baseline_starts_over_when_the_store_degrades(server: RedisServer) -> None:  # noqa: F811
+    primary = RedisLedger(server.url, prefix="sv", renew=False, timeout=0.2)
+    ledger = FallbackLedger(primary, mode=FailMode.OPEN, retry_interval=0.1)
+    await ledger.start()
+    try:
+        acme = ("chat", "acme")
+        assert await ledger.served({acme: 1.0}, [acme]) == {}
+        assert primary._served_seen
+        server.kill()
+        with pytest.raises(LedgerUnavailable):
+            await ledger.buckets([BucketOp("requests:t", "take", 1.0, 5.0, 1.0)])
+        assert ledger.degraded
+        assert primary._served_seen == {}
+    finally:
+        await ledger.close()
