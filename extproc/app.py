@@ -111,7 +111,7 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
     ratelimit = RateLimitService(ControllerPressure(controller), edge_metrics,
                                  lambda: controller.policy.ratelimit, rng=rng,
                                  permit_retry=controller.permit_retry, log_key=settings.log_key,
-                                 store=budgets)
+                                 store=budgets, store_timeout=settings.store_budget_timeout_s)
     add_ratelimit_service(ratelimit, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -310,6 +310,11 @@ class RateLimitMetrics:
             "store (it was unreachable): with this replica's part of the budget, or refused (fail_closed).",
             registry=registry,
         )
+        self.budget_timeouts = Counter(
+            "extproc_ratelimit_budget_timeouts", "Arrivals whose tenant budgets the shared store did not "
+            "answer within --store-budget-timeout: decided alone (this replica's part of each budget), so "
+            "that Envoy's ratelimit filter gets an answer before its own timeout.", registry=registry,
+        )
         self.decisions_of = Children(self.decisions)
 
     def watch(self, sizes: Callable[[], Mapping[str, int]]) -> None:

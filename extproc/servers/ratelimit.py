@@ -95,7 +95,8 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
     def __init__(self, pressure: Pressure, metrics: RateLimitMetrics, config: Callable[[], RateLimit], *,
                  clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None,
                  permit_retry: Callable[[], bool] | None = None, log_key: bytes | None = None,
-                 wall: Callable[[], float] = time.time, store: BudgetStore | None = None) -> None:
+                 wall: Callable[[], float] = time.time, store: BudgetStore | None = None,
+                 store_timeout: float = 0.02) -> None:
         self.pressure = pressure
         #: Reserves a retry in ext_proc's retry budget for a shed that lets its client retry;
         #: False (no room) makes the shed say x-should-retry: false.
@@ -110,6 +111,8 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
         #: the edge's own budgets hold this replica's part.
         self.store = store
         self.edge.shared = store is not None
+        #: The longest an arrival waits for the store (seconds), well within Envoy's ratelimit timeout.
+        self.store_timeout = store_timeout
         self.alone = False
         """Whether the last budget decision was taken without the store."""
         self._flushing: set[asyncio.Task[None]] = set()
@@ -169,8 +172,18 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
         assert store is not None
         ops = [BucketOp(f"{ask.kind}:{ask.tenant}", ask.op, ask.rate.per_second, ask.rate.burst, ask.amount)
                for ask in asks]
+        # Bounded well within Envoy's ratelimit timeout: past it Envoy passes the request unjudged
+        # (failure_mode_deny false) while the script still charges. The call is shielded, not
+        # cancelled (that would drop a pooled connection); one that answers late has charged the
+        # fleet's buckets as well as this replica's part: stricter, never looser.
+        call = asyncio.ensure_future(store.buckets(ops))
+        call.add_done_callback(_retrieve)
         try:
-            levels = await store.buckets(ops)
+            async with asyncio.timeout(self.store_timeout):
+                levels = await asyncio.shield(call)
+        except TimeoutError:
+            self.metrics.budget_timeouts.inc()
+            return self._settle_alone(store, asks, now)
         except LedgerUnavailable:
             return self._settle_alone(store, asks, now)
         if self.alone:
@@ -304,6 +317,12 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
         rejection = answer.rejection
         response.response_headers_to_add.extend(HeaderValue(key=k, value=v) for k, v in rejection.headers)
         response.raw_body = rejection.body
+
+
+def _retrieve(call: asyncio.Future[Any]) -> None:
+    """Consume the outcome of a store call nobody waits for any more (no 'never retrieved' log)."""
+    if not call.cancelled():
+        call.exception()
 
 
 def _fill(status: pb.RateLimitResponse.DescriptorStatus, check: Check) -> None:

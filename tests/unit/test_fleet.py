@@ -5,7 +5,9 @@ decides on the fleet's counts; a fair queue counts what other replicas served.""
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -33,6 +35,8 @@ class FakeStore:
         self.fail_open = fail_open
         self.fleet_size = fleet_size
         self.down = False
+        self.delay = 0.0
+        """Seconds each bucket call takes (a slow store)."""
         self.calls: list[list[BucketOp]] = []
         self.retry = (0, 0)
         self.sent: list[tuple[int, int]] = []
@@ -44,6 +48,8 @@ class FakeStore:
     async def buckets(self, ops: Sequence[BucketOp], now: float | None = None) -> list[Level]:
         if self.down:
             raise LedgerUnavailable("down")
+        if self.delay:
+            await asyncio.sleep(self.delay)
         self.calls.append(list(ops))
         out, refused = [], False
         for op in ops:
@@ -247,3 +253,18 @@ async def test_in_an_outage_the_retry_floor_splits_by_the_replicas_the_slot_ledg
                             budgets=_outage(["r0", "r1", "r2", "r3"]))
     await controller._sync_retry_budget()
     assert controller.retry_budget.balance(clock.now) == 10  # a quarter of the fleet's 40
+
+
+async def test_a_slow_store_is_waited_for_only_briefly_then_the_replica_decides_alone() -> None:
+    rig = Rig(budgets(requests=6, per="minute"))
+    store = shared(rig, fleet_size=3)
+    rig.service.store_timeout = 0.02
+    store.delay = 0.3  # alive, but slower than Envoy's ratelimit timeout (50 ms shipped)
+    arrival = request({"generic_key": "gpu_inference", "x-tenant-id": "t"})
+    started = time.perf_counter()
+    codes = [(await rig.service.decide_shared(arrival)).overall_code for _ in range(3)]
+    assert time.perf_counter() - started < 0.25  # each well under 50 ms, not 300
+    assert codes == [OK, OK, OVER]  # its part: 6 a minute / 3 replicas
+    assert rig.sample("extproc_ratelimit_budget_timeouts_total") == 3
+    store.delay = 0.0
+    assert (await rig.service.decide_shared(arrival)).overall_code == OK  # the fleet's bucket again
