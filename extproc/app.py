@@ -196,6 +196,7 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
         if not finished:
             log.warning("grace period over", inflight=controller.scheduler.total_inflight)
         await server.stop(grace=1.0)
+        await ratelimit.close()
         if admin_server is not None:
             await admin_server.stop(grace=0.5)
         await hub.stop()

@@ -310,6 +310,11 @@ class RateLimitMetrics:
             "store (it was unreachable): with this replica's part of the budget, or refused (fail_closed).",
             registry=registry,
         )
+        self.charges_dropped = Counter(
+            "extproc_ratelimit_charges_dropped", "Tenants' token usage dropped from the backlog kept while "
+            "the shared store was unreachable (it holds at most ratelimit.budgets.max_tenants tenants; the "
+            "one charged least recently goes first): usage the fleet's budgets never saw.", registry=registry,
+        )
         self.budget_timeouts = Counter(
             "extproc_ratelimit_budget_timeouts", "Arrivals whose tenant budgets the shared store did not "
             "answer within --store-budget-timeout: decided alone (this replica's part of each budget), so "

@@ -28,6 +28,7 @@ refusing every request that has a budget.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import random
 import secrets
@@ -42,6 +43,7 @@ from envoy.service.ratelimit.v3 import rls_pb2 as pb
 from envoy.service.ratelimit.v3 import rls_pb2_grpc as pb_grpc
 
 from extproc.controller import Controller
+from extproc.core.backlog import Backlog
 from extproc.core.budget import Budget, Verdict, part, verdict
 from extproc.core.edge import (
     ANY_LANE,
@@ -58,7 +60,7 @@ from extproc.core.redaction import Redactor
 from extproc.core.usage import USAGE, USAGE_ENTRIES, Charge, charged
 from extproc.metrics import RateLimitMetrics
 from extproc.policy.ratelimit import RateLimit
-from extproc.state import BucketOp, BudgetStore, LedgerUnavailable
+from extproc.state import BucketOp, BudgetStore, LedgerUnavailable, StoreDown
 
 SERVICE = "envoy.service.ratelimit.v3.RateLimitService"
 _UINT32 = UNLIMITED
@@ -116,6 +118,8 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
         self.alone = False
         """Whether the last budget decision was taken without the store."""
         self._flushing: set[asyncio.Task[None]] = set()
+        #: Usage charges the store missed while it was unreachable, sent when it is back.
+        self.backlog = Backlog(config().budgets.max_tenants)
         self._redactor: Redactor | None = None
         self._log_key = log_key or secrets.token_bytes(32)
         self._warned: set[str] = set()
@@ -160,7 +164,7 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
             for i, assessment in assessed:
                 judged[i] = self.edge.conclude(assessment, [next(verdicts) for _ in assessment.asks])
         response = self.decide(request, judged)
-        if self.edge.charges:
+        if self.edge.charges or (self.backlog and not self.alone):
             task = asyncio.get_running_loop().create_task(self._flush())
             self._flushing.add(task)
             task.add_done_callback(self._flushing.discard)
@@ -206,13 +210,53 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
         return self.edge.settle(parts, now)
 
     async def _flush(self) -> None:
-        """Send the queued usage charges (one store call for all of them)."""
-        charges, self.edge.charges = self.edge.charges, []
-        if charges:
-            try:
-                await self._settle(charges, self.now())
-            except Exception:
-                self.log.warning("could not charge token usage", exc_info=True)
+        """Send the queued usage charges and the backlog (one store call for all of them).
+
+        Off the request's path, so bounded only by the store's own timeouts. While the store is
+        known to be away (``StoreDown``: nothing was sent) the charges go to the backlog, replayed
+        when it is back, and (failing open) to this replica's part of each budget, which it decides
+        on meanwhile. A call that failed on its way (a timeout, a lost answer) may have run: the
+        script is atomic, so either all of it was charged or none. Those charges are not replayed:
+        a replay could charge a response twice fleet-wide; at worst a tenant is forgiven one batch of
+        usage at the start of an outage. (The local part and the fleet's bucket are never decided
+        on together, so charging both is not charging twice.)"""
+        store = self.store
+        assert store is not None
+        fresh, self.edge.charges = self.edge.charges, []
+        replay = self.backlog.take()
+        asks = replay + fresh
+        if not asks:
+            return
+        ops = [BucketOp(f"{ask.kind}:{ask.tenant}", ask.op, ask.rate.per_second, ask.rate.burst, ask.amount)
+               for ask in asks]
+        try:
+            await store.buckets(ops)
+        except StoreDown:
+            self._keep(asks)
+            self._settle_alone(store, fresh, self.now())
+        except LedgerUnavailable:
+            self._settle_alone(store, fresh, self.now())
+            self.log.warning("token usage in doubt (the store may have charged it): not replayed",
+                             charges=len(asks))
+        except Exception:
+            self.log.warning("could not charge token usage", exc_info=True)
+
+    def _keep(self, asks: list[Ask]) -> None:
+        self.backlog.max_tenants = self.config().budgets.max_tenants
+        dropped = self.backlog.keep(asks)
+        if dropped:
+            self.metrics.charges_dropped.inc(dropped)
+
+    async def close(self, grace_s: float = 1.0) -> None:
+        """At shutdown: let the charges on their way reach the store, and send the backlog if it can."""
+        if self._flushing:
+            await asyncio.wait(set(self._flushing), timeout=grace_s)
+        if self.store is not None and (self.edge.charges or self.backlog):
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(grace_s):
+                    await self._flush()
+        if self.backlog:
+            self.log.warning("token usage never sent to the shared store", tenants=len(self.backlog))
 
     def decide(self, request: pb.RateLimitRequest, judged: Mapping[int, Judgement] | None = None
                ) -> pb.RateLimitResponse:

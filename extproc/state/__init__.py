@@ -66,6 +66,11 @@ class LedgerUnavailable(Exception):
     """The shared store could not be reached (or answered with an error) in time."""
 
 
+class StoreDown(LedgerUnavailable):
+    """The store is known to be unreachable (an outage in progress, or not started): the call was not
+    sent, so nothing of it ran (unlike a call that timed out, which may have)."""
+
+
 class StoreScriptError(LedgerUnavailable):
     """One script failed on a store that is up (an error reply of that call alone): the call's answer
     is lost, as with an outage, but the store is not degraded and other calls go on."""

@@ -47,6 +47,7 @@ from extproc.state import (
     LedgerUnavailable,
     Level,
     Limits,
+    StoreDown,
     Verdict,
 )
 from extproc.state.redis import RedisLedger
@@ -276,19 +277,19 @@ class FallbackLedger:
 
     async def buckets(self, ops: Sequence[BucketOp], now: float | None = None) -> list[Level]:
         if self.degraded:
-            raise LedgerUnavailable(self.reason or "redis unavailable")
+            raise StoreDown(self.reason or "redis unavailable")
         return await self.primary.buckets(ops, now)
 
     async def retry_counts(self, deposits: int, withdrawals: int, window_s: float, slots: int
                            ) -> tuple[int, int]:
         if self.degraded:
-            raise LedgerUnavailable(self.reason or "redis unavailable")
+            raise StoreDown(self.reason or "redis unavailable")
         return await self.primary.retry_counts(deposits, withdrawals, window_s, slots)
 
     async def served(self, work: Mapping[tuple[str, str], float],
                      queued: Iterable[tuple[str, str]] = ()) -> dict[tuple[str, str], float]:
         if self.degraded:
-            raise LedgerUnavailable(self.reason or "redis unavailable")
+            raise StoreDown(self.reason or "redis unavailable")
         return await self.primary.served(work, queued)
 
     def alone(self, limits: Limits) -> Limits | None:

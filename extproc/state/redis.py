@@ -81,6 +81,7 @@ from extproc.state import (
     LedgerUnavailable,
     Level,
     Limits,
+    StoreDown,
     StoreScriptError,
     Verdict,
     summary_changes,
@@ -301,10 +302,10 @@ class RedisLedger:
         ledger's health as it was."""
         client = self._client
         if client is None:
-            raise LedgerUnavailable("ledger not started, or closed")
+            raise StoreDown("ledger not started, or closed")
         async with self._gate:
             if not (self.healthy or probe):
-                raise LedgerUnavailable(self.failure or "redis unavailable")
+                raise StoreDown(self.failure or "redis unavailable")
             try:
                 result = await call(client)
             except (RedisError, OSError) as exc:
@@ -333,9 +334,9 @@ class RedisLedger:
         callers treat that like any call whose answer was lost.
         """
         if self._client is None:
-            raise LedgerUnavailable("ledger not started, or closed")
+            raise StoreDown("ledger not started, or closed")
         if not self.healthy:
-            raise LedgerUnavailable(self.failure or "redis unavailable")
+            raise StoreDown(self.failure or "redis unavailable")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         self._queue.append(_Call(name, keys, args, future))

@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.controller import Controller
@@ -20,7 +21,7 @@ from extproc.core.retry_budget import RetryBudget
 from extproc.metrics import Metrics
 from extproc.policy.ratelimit import RateLimit
 from extproc.servers.ratelimit import RateLimitService
-from extproc.state import BucketOp, LedgerUnavailable, Level
+from extproc.state import BucketOp, LedgerUnavailable, Level, StoreDown
 from extproc.state.fallback import FailMode, FallbackLedger
 from extproc.state.redis import RedisLedger
 from tests.unit.test_ratelimit_service import OK, OVER, Clock, Rig, make_policy, request
@@ -36,6 +37,7 @@ class FakeStore:
         self.fleet_size = fleet_size
         self.down = False
         self.delay = 0.0
+        self.lose_answers = False
         """Seconds each bucket call takes (a slow store)."""
         self.calls: list[list[BucketOp]] = []
         self.retry = (0, 0)
@@ -47,10 +49,16 @@ class FakeStore:
 
     async def buckets(self, ops: Sequence[BucketOp], now: float | None = None) -> list[Level]:
         if self.down:
-            raise LedgerUnavailable("down")
+            raise StoreDown("down")
         if self.delay:
             await asyncio.sleep(self.delay)
         self.calls.append(list(ops))
+        if self.lose_answers:
+            self._apply(ops)
+            raise LedgerUnavailable("timeout")  # the script ran; its answer was lost
+        return self._apply(ops)
+
+    def _apply(self, ops: Sequence[BucketOp]) -> list[Level]:
         out, refused = [], False
         for op in ops:
             name = "check" if op.op == "take" and refused else op.op
@@ -62,7 +70,7 @@ class FakeStore:
     async def retry_counts(self, deposits: int, withdrawals: int, window_s: float, slots: int
                            ) -> tuple[int, int]:
         if self.down:
-            raise LedgerUnavailable("down")
+            raise StoreDown("down")
         self.sent.append((deposits, withdrawals))
         return self.retry
 
@@ -268,3 +276,72 @@ async def test_a_slow_store_is_waited_for_only_briefly_then_the_replica_decides_
     assert rig.sample("extproc_ratelimit_budget_timeouts_total") == 3
     store.delay = 0.0
     assert (await rig.service.decide_shared(arrival)).overall_code == OK  # the fleet's bucket again
+
+
+def _charges(store: FakeStore) -> list[tuple[str, float]]:
+    return [(op.key, op.amount) for call in store.calls for op in call if op.op == "charge"]
+
+
+async def _settled(service: RateLimitService) -> None:
+    while service._flushing:
+        await asyncio.gather(*list(service._flushing))
+
+
+def _usage(tenant: str, tokens: int) -> Any:
+    return request(({"generic_key": "gpu_inference_tokens", "x-tenant-id": tenant}, tokens))
+
+
+@pytest.mark.parametrize("fail_open", [True, False])
+async def test_usage_charged_while_the_store_is_away_reaches_the_fleet_when_back(fail_open: bool) -> None:
+    rig = Rig(budgets(tokens=100, per="minute"))
+    store = shared(rig, fail_open=fail_open)
+    store.down = True
+    for tokens in (150, 50):
+        await rig.service.decide_shared(_usage("t", tokens))
+        await _settled(rig.service)
+    assert len(rig.service.backlog) == 1  # merged per tenant
+    assert len(rig.service.edge.tokens) == (1 if fail_open else 0)  # open: its part is charged meanwhile
+    store.down = False
+    arrival = request({"generic_key": "gpu_inference", "x-tenant-id": "t"})
+    await rig.service.decide_shared(arrival)  # the store answers again: the backlog goes
+    await _settled(rig.service)
+    assert _charges(store) == [("tokens:t", 200.0)]
+    assert not rig.service.backlog
+    assert (await rig.service.decide_shared(arrival)).overall_code == OVER  # in debt, fleet-wide
+
+
+async def test_the_backlog_keeps_a_bounded_number_of_tenants_oldest_dropped_first() -> None:
+    rig = Rig(RateLimit.model_validate({"budgets": {"default": {"tokens": 100}, "max_tenants": 2}}))
+    rig.service = RateLimitService(rig.pressure, rig.metrics, lambda: rig.config, clock=rig.clock,
+                                   rng=random.Random(1), store=(store := FakeStore(rig.clock)))
+    store.down = True
+    for tenant in ("a", "b", "c"):
+        await rig.service.decide_shared(_usage(tenant, 10))
+        await _settled(rig.service)
+    assert rig.sample("extproc_ratelimit_charges_dropped_total") == 1
+    store.down = False
+    await rig.service.decide_shared(_usage("c", 5))
+    await _settled(rig.service)
+    assert _charges(store) == [("tokens:b", 10.0), ("tokens:c", 10.0), ("tokens:c", 5.0)]  # a: dropped
+
+
+async def test_usage_whose_answer_was_lost_is_not_replayed() -> None:
+    rig = Rig(budgets(tokens=100, per="minute"))
+    store = shared(rig)
+    store.lose_answers = True
+    await rig.service.decide_shared(_usage("t", 30))
+    await _settled(rig.service)
+    store.lose_answers = False
+    await rig.service.decide_shared(_usage("t", 1))
+    await _settled(rig.service)
+    assert _charges(store) == [("tokens:t", 30.0), ("tokens:t", 1.0)]  # the 30 once, not again
+    assert store.budget.check("tokens:t", Rate(100 / 60, 100.0), 1, rig.clock()).remaining == 69.0
+
+
+async def test_closing_waits_for_the_charges_on_their_way() -> None:
+    rig = Rig(budgets(tokens=100))
+    store = shared(rig)
+    store.delay = 0.05
+    await rig.service.decide_shared(_usage("t", 30))
+    await rig.service.close()
+    assert _charges(store) == [("tokens:t", 30.0)]
