@@ -6,6 +6,7 @@ other replicas' deposits and withdrawals within the window only."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import math
 import random
 import shutil
@@ -16,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from extproc.core.budget import Budget, Rate
+from extproc.core.budget import Budget, Rate, _Bucket
 from extproc.state import BucketOp, LedgerUnavailable, StoreScriptError
 from extproc.state.fallback import FailMode, FallbackLedger
 from extproc.state.redis import RedisLedger
@@ -263,3 +264,40 @@ async def test_the_served_baseline_starts_over_when_the_store_degrades(server: R
         assert primary._served_seen == {}
     finally:
         await ledger.close()
+
+
+async def test_on_the_stores_own_clock_the_lua_buckets_do_the_pure_budgets_arithmetic(
+        ledgers: list[RedisLedger], shared_server: RedisServer) -> None:  # noqa: F811
+    """The Redis TIME path (no ``now`` given): each answer lies between the pure Budget's answers at
+    the store's time just before and just after the call, and the stored time is within them."""
+    store = ledgers[0]
+    client = shared_server.client()
+    key = store.budget_key("clock")
+
+    def store_now() -> float:
+        seconds, micros = client.time()
+        return float(seconds) + micros / 1_000_000
+
+    rng = random.Random(11)
+    rate = Rate(20.0, 5.0)
+    budget = Budget(10)
+    for _ in range(40):
+        op = rng.choice(["check", "take", "take", "charge"])
+        amount = float(rng.randint(0, 3)) if op == "charge" else rng.choice([1.0, 2.0, 0.5])
+        before = store_now()
+        [level] = await store.buckets([BucketOp("clock", op, rate.per_second, rate.burst, amount)])
+        after = store_now()
+        early, late = copy.deepcopy(budget), copy.deepcopy(budget)
+        low = early.apply(op, "clock", rate, amount, before)
+        high = late.apply(op, "clock", rate, amount, after)
+        bounds = sorted((low.remaining, high.remaining))
+        assert bounds[0] - 1e-9 <= level.level <= bounds[1] + 1e-9
+        assert level.allowed in (low.allowed, high.allowed)
+        stored = client.hgetall(key)
+        if stored:
+            at = float(stored["at"])
+            assert before - 1e-6 <= at <= after + 1e-6
+            budget._buckets["clock"] = _Bucket(float(stored["level"]), at)
+        else:  # full: no key
+            budget._buckets.pop("clock", None)
+        await asyncio.sleep(rng.choice([0.0, 0.0, 0.01, 0.05]))

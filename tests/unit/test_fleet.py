@@ -16,6 +16,8 @@ from prometheus_client import CollectorRegistry
 
 from extproc.controller import Controller
 from extproc.core.budget import Budget, Rate, part
+from extproc.core.decision import Outcome
+from extproc.core.estimate import Job
 from extproc.core.queue import Entry, LaneQueue
 from extproc.core.retry_budget import RetryBudget
 from extproc.metrics import Metrics
@@ -30,7 +32,11 @@ from tests.unit.test_ratelimit_service import OK, OVER, Clock, Rig, make_policy,
 class FakeStore:
     """A fleet's store: one pure Budget for every replica, the operations' rule of bucket.lua."""
 
-    def __init__(self, clock: Any, *, fail_open: bool = True, fleet_size: int = 3) -> None:
+    def __init__(self, clock: Any, *, fail_open: bool = True, fleet_size: int = 3,
+                 fleet: dict[tuple[str, str], float] | None = None) -> None:
+        #: The fleet's served totals by lane and tenant (share one dict between replicas' stores).
+        self.fleet = {} if fleet is None else fleet
+        self.seen: dict[tuple[str, str], float] = {}
         self.budget = Budget(100)
         self.clock = clock
         self.fail_open = fail_open
@@ -76,7 +82,19 @@ class FakeStore:
 
     async def served(self, work: Mapping[tuple[str, str], float],
                      queued: Iterable[tuple[str, str]] = ()) -> dict[tuple[str, str], float]:
-        return {}
+        """served.lua and RedisLedger.served: add this replica's work, read the queued pairs' totals;
+        the others' part is what changed that it did not add (a pair read for the first time: none)."""
+        if self.down:
+            self.seen = {}
+            raise StoreDown("down")
+        for pair, seconds in work.items():
+            if seconds > 0:
+                self.fleet[pair] = self.fleet.get(pair, 0.0) + seconds
+        totals = {pair: self.fleet[pair] for pair in set(queued) if pair in self.fleet}
+        seen, self.seen = self.seen, totals
+        others = {pair: total - seen[pair] - work.get(pair, 0.0)
+                  for pair, total in totals.items() if pair in seen}
+        return {pair: seconds for pair, seconds in others.items() if seconds > 1e-9}
 
 
 def shared(rig: Rig, **store: Any) -> FakeStore:
@@ -345,3 +363,30 @@ async def test_closing_waits_for_the_charges_on_their_way() -> None:
     await rig.service.decide_shared(_usage("t", 30))
     await rig.service.close()
     assert _charges(store) == [("tokens:t", 30.0)]
+
+
+async def test_the_controller_charges_its_fair_queues_what_the_other_replicas_served() -> None:
+    """Two replicas' stores over one fleet: what the other served for a tenant queued here puts that
+    tenant behind in this replica's fair queue; what this replica served itself is not charged again."""
+    clock = Clock()
+    fleet: dict[tuple[str, str], float] = {}
+    here, there = FakeStore(clock, fleet=fleet), FakeStore(clock, fleet=fleet)
+
+    controller = Controller(make_policy(), Metrics(CollectorRegistry()), clock=clock, budgets=here)
+    running = [controller.submit("interactive", "x", Job(None, 10, 10)).ticket for _ in range(2)]
+    waiting = {}
+    for tenant in ("globex", "acme"):
+        decision = controller.submit("interactive", tenant, Job(None, 10, 10))
+        assert decision.outcome is Outcome.QUEUED
+        waiting[tenant] = controller._waiters[decision.ticket.id]
+    queued = [("interactive", "globex"), ("interactive", "acme")]
+    await there.served({pair: 1.0 for pair in queued}, [])
+    await controller._sync_served(queued)  # a baseline
+    controller._served[("interactive", "acme")] = 50.0  # its own work: sent, never charged back
+    await there.served({("interactive", "globex"): 100.0}, [])  # the other replica served globex
+    await controller._sync_served(queued)
+    assert fleet == {("interactive", "globex"): 101.0, ("interactive", "acme"): 51.0}
+    assert controller._served == {}
+    controller.release(running[0])
+    answered = {tenant: future.result().outcome for tenant, future in waiting.items() if future.done()}
+    assert answered == {"acme": Outcome.ADMITTED}  # globex waits: the fleet served it elsewhere
