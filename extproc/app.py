@@ -35,6 +35,7 @@ from extproc.servers.ratelimit import ControllerPressure, RateLimitService
 from extproc.servers.ratelimit import add_to_server as add_ratelimit_service
 from extproc.settings import Settings, allowed_hosts, is_loopback
 from extproc.signals.hub import SignalHub
+from extproc.state.fallback import FallbackLedger
 from extproc.state.store import budget_store, open_ledger
 
 log = structlog.get_logger("extproc")
@@ -77,6 +78,8 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
                                  fleet_size=settings.store_fleet_size)
         except ValueError as exc:
             raise StartupError(f"cannot use the store {settings.store!r}: {exc}") from None
+        if isinstance(ledger, FallbackLedger):
+            ledger.on_script_error(lambda script: metrics.store_script_errors.labels(script).inc())
         await ledger.start()
     # Tenant budgets, the retry budget and fair shares: the fleet's, through the store (or each replica's).
     budgets = budget_store(ledger) if settings.store_share_fleet else None
@@ -108,7 +111,7 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
     ratelimit = RateLimitService(ControllerPressure(controller), edge_metrics,
                                  lambda: controller.policy.ratelimit, rng=rng,
                                  permit_retry=controller.permit_retry, log_key=settings.log_key,
-                                 store=budgets)
+                                 store=budgets, store_timeout=settings.store_budget_timeout_s)
     add_ratelimit_service(ratelimit, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -193,6 +196,7 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
         if not finished:
             log.warning("grace period over", inflight=controller.scheduler.total_inflight)
         await server.stop(grace=1.0)
+        await ratelimit.close()
         if admin_server is not None:
             await admin_server.stop(grace=0.5)
         await hub.stop()

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from extproc import __version__
-from extproc.settings import Address, Settings, env, positive_int, read_token
+from extproc.settings import Address, Settings, env, positive_float, positive_int, read_token
 
 EXIT_BAD_POLICY = 2
 EXIT_STARTUP = 3
@@ -64,6 +64,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                         store=args.store or None, store_fail_open=args.store_fail == "open",
                         store_ttl_s=args.store_ttl, store_prefix=args.store_prefix,
                         store_fleet_size=args.store_fleet_size, store_share_fleet=args.store_share == "fleet",
+                        store_budget_timeout_s=args.store_budget_timeout,
                         admin_hosts=tuple(h.strip() for h in args.admin_hosts.split(",") if h.strip()),
                         metrics_token=metrics_token, log_key=log_key.encode() if log_key else None)
     try:
@@ -186,6 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with a store, tenant budgets, the retry budget and tenants' fair shares are one "
                        "for the fleet (fleet) or each replica's own (replica: as before they were shared) "
                        "(env EXTPROC_STORE_SHARE; default %(default)s)")
+    serve.add_argument("--store-budget-timeout", type=positive_float,
+                       default=env("STORE_BUDGET_TIMEOUT", "0.02"), metavar="SECONDS",
+                       help="the longest the rate limit service waits for the store's tenant budgets "
+                       "before deciding alone with its part of each budget; keep it well under Envoy's "
+                       "ratelimit filter timeout (env EXTPROC_STORE_BUDGET_TIMEOUT; default %(default)s)")
     serve.add_argument("--store-ttl", type=float, default=float(env("STORE_TTL", "15")), metavar="SECONDS",
                        help="lease lifetime: how long a dead replica's slots stay taken "
                        "(default %(default)s)")

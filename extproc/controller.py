@@ -413,7 +413,7 @@ class Controller:
         try:
             others = await store.retry_counts(deposits, withdrawals, budget.window_s, SLOTS)
         except LedgerUnavailable:
-            budget.alone(store.fleet_size, closed=not store.fail_open)
+            budget.alone(store.parts, closed=not store.fail_open)
             return
         budget.fleet(*others)
 

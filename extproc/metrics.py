@@ -161,6 +161,11 @@ class Metrics:
             "extproc_saturation_rejections", "Requests shed because a cluster signal says the backend is "
             "saturated, by lane, saturation rule and signal.", ["lane", "rule", "signal"], registry=registry,
         )
+        self.store_script_errors = Counter(
+            "extproc_store_script_errors", "Calls to the shared store that failed with an error reply while "
+            "the store was up (a script's own failure, not an outage: the replica stays healthy), by script.",
+            ["script"], registry=registry,
+        )
         self.ledger_refusals = Counter(
             "extproc_ledger_refusals", "Admissions the shared store refused (the request went back to its "
             "queue), by lane and why: the cluster-wide counts were higher than this replica had seen, or "
@@ -304,6 +309,16 @@ class RateLimitMetrics:
             "extproc_ratelimit_budget_alone", "Tenant budget operations decided without the fleet's shared "
             "store (it was unreachable): with this replica's part of the budget, or refused (fail_closed).",
             registry=registry,
+        )
+        self.charges_dropped = Counter(
+            "extproc_ratelimit_charges_dropped", "Tenants' token usage dropped from the backlog kept while "
+            "the shared store was unreachable (it holds at most ratelimit.budgets.max_tenants tenants; the "
+            "one charged least recently goes first): usage the fleet's budgets never saw.", registry=registry,
+        )
+        self.budget_timeouts = Counter(
+            "extproc_ratelimit_budget_timeouts", "Arrivals whose tenant budgets the shared store did not "
+            "answer within --store-budget-timeout: decided alone (this replica's part of each budget), so "
+            "that Envoy's ratelimit filter gets an answer before its own timeout.", registry=registry,
         )
         self.decisions_of = Children(self.decisions)
 

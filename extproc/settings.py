@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import os
 from dataclasses import dataclass
 
@@ -51,6 +52,10 @@ class Settings:
     store_fleet_size: int = 1
     """How many replicas share the store: while the store is unreachable and this replica has seen
     fewer alive (it started during the outage), it takes only the smallest of this many parts."""
+    store_budget_timeout_s: float = 0.02
+    """The longest the rate limit service waits for the store's tenant budgets before it decides alone
+    (its part of each budget): well within Envoy's ratelimit filter timeout (50 ms shipped), so a slow
+    store never makes Envoy pass a request unjudged."""
     store_prefix: str = "extproc"
     store_share_fleet: bool = True
     """With a store: tenant budgets, the retry budget and tenants' fair shares are one for the whole
@@ -111,6 +116,17 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number above 0, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a whole number above 0, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number above 0 (the error names what was given)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number above 0, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a number above 0, got {text!r}")
     return value
 
 

@@ -20,8 +20,8 @@ Across a fleet (a shared store), every replica counts its own deposits and withd
 they happen and learns the others' (``fleet``, from the store a few times a second): each
 decides on the fleet's balance, so the ratio and the floor hold for the fleet as a whole (up to
 what the others did since the last reading). While the store is unreachable each decides
-alone (``alone``): the ratio holds replica by replica anyway, the floor is split by the fleet
-size, and a store failing closed lets no retry through.
+alone (``alone``): the ratio holds replica by replica anyway, the floor is split like the slots
+(the replicas counted, at least the fleet size), and a store failing closed lets no retry through.
 
 Pure: every call takes ``now``; no I/O.
 """
@@ -104,11 +104,11 @@ class RetryBudget:
         self._others = (max(deposits, 0), max(withdrawals, 0))
         self._floor_part, self._closed = 1.0, False
 
-    def alone(self, fleet_size: int, *, closed: bool = False) -> None:
+    def alone(self, parts: int, *, closed: bool = False) -> None:
         """The store is unreachable: decide on this replica's counts, with its part of the floor
-        (``1 / fleet_size``); ``closed``: let no retry through."""
+        (``1 / parts``: the replicas the slot ledger counts); ``closed``: let no retry through."""
         self._others = (0, 0)
-        self._floor_part, self._closed = 1.0 / max(fleet_size, 1), closed
+        self._floor_part, self._closed = 1.0 / max(parts, 1), closed
 
     def reserve(self, now: float) -> bool:
         """A rejection is about to tell its client it may retry: set one retry aside, if there is room.

@@ -20,13 +20,15 @@ With a fleet's shared store (``store``), tenant budgets are one per tenant for t
 each arrival's budget operations (``Edge.assess``) go to the store in one atomic script, and
 its answer (the levels) becomes the verdicts (``core.budget.verdict``); usage charges are queued
 by the edge and sent in the background, off the request's path. While the store is unreachable
-the replica decides alone: failing open with its part (``1 / fleet size``) of every budget,
-failing closed refusing every request that has a budget.
+the replica decides alone: failing open with its part of every budget (``1 / parts``: the
+replicas the slot ledger counts in the outage, at least the fleet size), failing closed
+refusing every request that has a budget.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import random
 import secrets
@@ -41,6 +43,7 @@ from envoy.service.ratelimit.v3 import rls_pb2 as pb
 from envoy.service.ratelimit.v3 import rls_pb2_grpc as pb_grpc
 
 from extproc.controller import Controller
+from extproc.core.backlog import Backlog
 from extproc.core.budget import Budget, Verdict, part, verdict
 from extproc.core.edge import (
     ANY_LANE,
@@ -57,7 +60,7 @@ from extproc.core.redaction import Redactor
 from extproc.core.usage import USAGE, USAGE_ENTRIES, Charge, charged
 from extproc.metrics import RateLimitMetrics
 from extproc.policy.ratelimit import RateLimit
-from extproc.state import BucketOp, BudgetStore, LedgerUnavailable
+from extproc.state import BucketOp, BudgetStore, LedgerUnavailable, StoreDown
 
 SERVICE = "envoy.service.ratelimit.v3.RateLimitService"
 _UINT32 = UNLIMITED
@@ -94,7 +97,8 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
     def __init__(self, pressure: Pressure, metrics: RateLimitMetrics, config: Callable[[], RateLimit], *,
                  clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None,
                  permit_retry: Callable[[], bool] | None = None, log_key: bytes | None = None,
-                 wall: Callable[[], float] = time.time, store: BudgetStore | None = None) -> None:
+                 wall: Callable[[], float] = time.time, store: BudgetStore | None = None,
+                 store_timeout: float = 0.02) -> None:
         self.pressure = pressure
         #: Reserves a retry in ext_proc's retry budget for a shed that lets its client retry;
         #: False (no room) makes the shed say x-should-retry: false.
@@ -109,9 +113,13 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
         #: the edge's own budgets hold this replica's part.
         self.store = store
         self.edge.shared = store is not None
+        #: The longest an arrival waits for the store (seconds), well within Envoy's ratelimit timeout.
+        self.store_timeout = store_timeout
         self.alone = False
         """Whether the last budget decision was taken without the store."""
         self._flushing: set[asyncio.Task[None]] = set()
+        #: Usage charges the store missed while it was unreachable, sent when it is back.
+        self.backlog = Backlog(config().budgets.max_tenants)
         self._redactor: Redactor | None = None
         self._log_key = log_key or secrets.token_bytes(32)
         self._warned: set[str] = set()
@@ -156,7 +164,7 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
             for i, assessment in assessed:
                 judged[i] = self.edge.conclude(assessment, [next(verdicts) for _ in assessment.asks])
         response = self.decide(request, judged)
-        if self.edge.charges:
+        if self.edge.charges or (self.backlog and not self.alone):
             task = asyncio.get_running_loop().create_task(self._flush())
             self._flushing.add(task)
             task.add_done_callback(self._flushing.discard)
@@ -168,8 +176,18 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
         assert store is not None
         ops = [BucketOp(f"{ask.kind}:{ask.tenant}", ask.op, ask.rate.per_second, ask.rate.burst, ask.amount)
                for ask in asks]
+        # Bounded well within Envoy's ratelimit timeout: past it Envoy passes the request unjudged
+        # (failure_mode_deny false) while the script still charges. The call is shielded, not
+        # cancelled (that would drop a pooled connection); one that answers late has charged the
+        # fleet's buckets as well as this replica's part: stricter, never looser.
+        call = asyncio.ensure_future(store.buckets(ops))
+        call.add_done_callback(_retrieve)
         try:
-            levels = await store.buckets(ops)
+            async with asyncio.timeout(self.store_timeout):
+                levels = await asyncio.shield(call)
+        except TimeoutError:
+            self.metrics.budget_timeouts.inc()
+            return self._settle_alone(store, asks, now)
         except LedgerUnavailable:
             return self._settle_alone(store, asks, now)
         if self.alone:
@@ -181,24 +199,64 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
     def _settle_alone(self, store: BudgetStore, asks: list[Ask], now: float) -> list[Verdict]:
         if not self.alone:
             self.alone = True
-            self.log.warning("tenant budgets decided without the shared store", fleet_size=store.fleet_size,
+            self.log.warning("tenant budgets decided without the shared store", parts=store.parts,
                              mode="fail_open" if store.fail_open else "fail_closed")
         self.metrics.budget_alone.inc(len(asks))
         if not store.fail_open:
             # Nothing is known of what the fleet spent: refuse, and say when to look again.
             return [Verdict(ask.op == "charge", 0.0, 1.0, 0.0) for ask in asks]
-        parts = [Ask(ask.kind, ask.tenant, part(ask.rate, store.fleet_size), ask.amount, ask.op, ask.limit,
+        parts = [Ask(ask.kind, ask.tenant, part(ask.rate, store.parts), ask.amount, ask.op, ask.limit,
                      ask.tenant_limit) for ask in asks]
         return self.edge.settle(parts, now)
 
     async def _flush(self) -> None:
-        """Send the queued usage charges (one store call for all of them)."""
-        charges, self.edge.charges = self.edge.charges, []
-        if charges:
-            try:
-                await self._settle(charges, self.now())
-            except Exception:
-                self.log.warning("could not charge token usage", exc_info=True)
+        """Send the queued usage charges and the backlog (one store call for all of them).
+
+        Off the request's path, so bounded only by the store's own timeouts. While the store is
+        known to be away (``StoreDown``: nothing was sent) the charges go to the backlog, replayed
+        when it is back, and (failing open) to this replica's part of each budget, which it decides
+        on meanwhile. A call that failed on its way (a timeout, a lost answer) may have run: the
+        script is atomic, so either all of it was charged or none. Those charges are not replayed:
+        a replay could charge a response twice fleet-wide; at worst a tenant is forgiven one batch of
+        usage at the start of an outage. (The local part and the fleet's bucket are never decided
+        on together, so charging both is not charging twice.)"""
+        store = self.store
+        assert store is not None
+        fresh, self.edge.charges = self.edge.charges, []
+        replay = self.backlog.take()
+        asks = replay + fresh
+        if not asks:
+            return
+        ops = [BucketOp(f"{ask.kind}:{ask.tenant}", ask.op, ask.rate.per_second, ask.rate.burst, ask.amount)
+               for ask in asks]
+        try:
+            await store.buckets(ops)
+        except StoreDown:
+            self._keep(asks)
+            self._settle_alone(store, fresh, self.now())
+        except LedgerUnavailable:
+            self._settle_alone(store, fresh, self.now())
+            self.log.warning("token usage in doubt (the store may have charged it): not replayed",
+                             charges=len(asks))
+        except Exception:
+            self.log.warning("could not charge token usage", exc_info=True)
+
+    def _keep(self, asks: list[Ask]) -> None:
+        self.backlog.max_tenants = self.config().budgets.max_tenants
+        dropped = self.backlog.keep(asks)
+        if dropped:
+            self.metrics.charges_dropped.inc(dropped)
+
+    async def close(self, grace_s: float = 1.0) -> None:
+        """At shutdown: let the charges on their way reach the store, and send the backlog if it can."""
+        if self._flushing:
+            await asyncio.wait(set(self._flushing), timeout=grace_s)
+        if self.store is not None and (self.edge.charges or self.backlog):
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(grace_s):
+                    await self._flush()
+        if self.backlog:
+            self.log.warning("token usage never sent to the shared store", tenants=len(self.backlog))
 
     def decide(self, request: pb.RateLimitRequest, judged: Mapping[int, Judgement] | None = None
                ) -> pb.RateLimitResponse:
@@ -303,6 +361,12 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
         rejection = answer.rejection
         response.response_headers_to_add.extend(HeaderValue(key=k, value=v) for k, v in rejection.headers)
         response.raw_body = rejection.body
+
+
+def _retrieve(call: asyncio.Future[Any]) -> None:
+    """Consume the outcome of a store call nobody waits for any more (no 'never retrieved' log)."""
+    if not call.cancelled():
+        call.exception()
 
 
 def _fill(status: pb.RateLimitResponse.DescriptorStatus, check: Check) -> None:

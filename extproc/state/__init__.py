@@ -66,6 +66,20 @@ class LedgerUnavailable(Exception):
     """The shared store could not be reached (or answered with an error) in time."""
 
 
+class StoreDown(LedgerUnavailable):
+    """The store is known to be unreachable (an outage in progress, or not started): the call was not
+    sent, so nothing of it ran (unlike a call that timed out, which may have)."""
+
+
+class StoreScriptError(LedgerUnavailable):
+    """One script failed on a store that is up (an error reply of that call alone): the call's answer
+    is lost, as with an outage, but the store is not degraded and other calls go on."""
+
+    def __init__(self, script: str, message: str) -> None:
+        super().__init__(message)
+        self.script = script
+
+
 @dataclass(frozen=True, slots=True)
 class LaneLimits:
     name: str
@@ -294,13 +308,19 @@ class Level:
 class BudgetStore(Protocol):
     """Fleet-wide tenant buckets and retry-budget counts. Every call raises ``LedgerUnavailable`` at
     once while the store is unreachable; the caller then decides alone (``fail_open``: with its
-    part, ``1 / fleet_size``, of each budget; otherwise refusing)."""
+    part, ``1 / parts``, of each budget; otherwise refusing)."""
 
     @property
     def fail_open(self) -> bool: ...
 
     @property
     def fleet_size(self) -> int: ...
+
+    @property
+    def parts(self) -> int:
+        """Into how many parts budgets are split while the store is unreachable: the same count the
+        slot ledger splits its limits by (replicas seen alive, at least ``fleet_size``)."""
+        ...
 
     async def buckets(self, ops: Sequence[BucketOp], now: float | None = None) -> list[Level]:
         """Apply ``ops`` in order, atomically; ``now`` (seconds) for tests, else the store's clock."""

@@ -5,12 +5,20 @@
 -- Buckets are done in order; a 'take' after a refused one only checks (a request refused by
 -- any budget costs nothing). A bucket that is missing is full (it expired once full, or was
 -- never used); a key is kept only while it is below full (its TTL: the refill time), so idle
--- tenants cost no memory. A value that is not a number (garbage in the key) counts as missing.
+-- tenants cost no memory. A value that is not a finite number (garbage in the key: text, NaN, ±inf)
+-- counts as missing: a full bucket (an infinite debt would lock a tenant out for good, each call
+-- renewing the key). A stored time ahead of now (a clock step, a failover to a primary whose clock is
+-- behind) counts from now: otherwise the refill would stop until the clock caught up. (The pure Budget
+-- keeps the latest time instead: its clock is monotonic; this one is a server's wall clock, which
+-- steps. Counting from now forgives at most the step, and never more than one burst.)
 -- Returns, per bucket, {1 if allowed else 0, level after the call as a string}.
 local now = tonumber(ARGV[1])
 if not now then
   local t = redis.call('TIME')
   now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+local function finite(x)
+  return x ~= nil and x == x and x > -math.huge and x < math.huge
 end
 local out = {}
 local refused = false
@@ -24,7 +32,7 @@ for i, key in ipairs(KEYS) do
   local ok, fields = pcall(redis.call, 'HMGET', key, 'level', 'at')
   local level, at = nil, nil
   if ok then level, at = tonumber(fields[1]), tonumber(fields[2]) end
-  if level ~= level or at ~= at then level, at = nil, nil end  -- NaN
+  if not (finite(level) and finite(at)) then level, at = nil, nil end  -- garbage: a full bucket
   local stored = level ~= nil and at ~= nil
   local allowed
   if op == 'check' and not stored then
@@ -32,10 +40,9 @@ for i, key in ipairs(KEYS) do
     allowed = amount <= burst
   else
     if stored then
-      local elapsed = now - at
-      if elapsed < 0 then elapsed = 0 end
-      level = math.min(burst, level + elapsed * rate)
-      if now > at then at = now end
+      if at > now then at = now end  -- ahead of now: count from now (see above)
+      level = math.min(burst, level + (now - at) * rate)
+      at = now
     else
       level, at = burst, now
     end

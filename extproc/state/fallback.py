@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -47,6 +47,7 @@ from extproc.state import (
     LedgerUnavailable,
     Level,
     Limits,
+    StoreDown,
     Verdict,
 )
 from extproc.state.redis import RedisLedger
@@ -138,6 +139,8 @@ class FallbackLedger:
         self.since = time.time()
         self.outages += 1
         self._freeze()
+        # Whatever the fleet serves meanwhile must not be charged at once when the store is back.
+        self.primary.forget_served()
         log.warning("ledger_degraded", reason=reason, mode=self.mode.value, replicas=len(self.primary.alive))
         if self._loop is not None and not self._loop.is_closed() and not self._closing:
             self._probe = self._loop.create_task(self._recover(), name=f"ledger-recover-{self.replica}")
@@ -174,15 +177,30 @@ class FallbackLedger:
         held_by[self.replica] = dict(self.primary.held)
         self._frozen = (replicas, held_by) if self._held_by else None
 
-    def _share(self, limits: Limits) -> Limits:
-        if self._frozen is not None:
-            replicas, held_by = self._frozen
-            return limits.allotment(self.replica, replicas, held_by)
+    def _everyone(self) -> list[str]:
         # Every replica seen alive lately, not only in the last answer: right after Redis restarts
         # empty, its liveness set lists only the replicas that have reconnected so far.
         horizon = time.monotonic() - 3 * self.primary.queue_ttl
         recent = {replica for replica, seen in self._seen.items() if seen >= horizon}
-        everyone = sorted(set(self.primary.alive) | recent | {self.replica})
+        return sorted(set(self.primary.alive) | recent | {self.replica})
+
+    @property
+    def parts(self) -> int:
+        """Into how many parts the fleet's limits are split while the store is away: the replicas
+        counted for the slots' share (those alive when the outage began, or seen lately), and never
+        fewer than ``fleet_size``. Tenant budgets and the retry floor are split the same way, so
+        that the replicas' parts add up to no more than the fleet's budget."""
+        if self.degraded and self._frozen is not None:
+            counted = len(self._frozen[0])
+        else:
+            counted = len(self._everyone())
+        return max(counted, self.fleet_size)
+
+    def _share(self, limits: Limits) -> Limits:
+        if self._frozen is not None:
+            replicas, held_by = self._frozen
+            return limits.allotment(self.replica, replicas, held_by)
+        everyone = self._everyone()
         if len(everyone) < self.fleet_size:
             # Replicas it has not seen may be running: the smallest part, so that the parts of every
             # replica, however they count, never add up to more than the limits.
@@ -259,19 +277,19 @@ class FallbackLedger:
 
     async def buckets(self, ops: Sequence[BucketOp], now: float | None = None) -> list[Level]:
         if self.degraded:
-            raise LedgerUnavailable(self.reason or "redis unavailable")
+            raise StoreDown(self.reason or "redis unavailable")
         return await self.primary.buckets(ops, now)
 
     async def retry_counts(self, deposits: int, withdrawals: int, window_s: float, slots: int
                            ) -> tuple[int, int]:
         if self.degraded:
-            raise LedgerUnavailable(self.reason or "redis unavailable")
+            raise StoreDown(self.reason or "redis unavailable")
         return await self.primary.retry_counts(deposits, withdrawals, window_s, slots)
 
     async def served(self, work: Mapping[tuple[str, str], float],
                      queued: Iterable[tuple[str, str]] = ()) -> dict[tuple[str, str], float]:
         if self.degraded:
-            raise LedgerUnavailable(self.reason or "redis unavailable")
+            raise StoreDown(self.reason or "redis unavailable")
         return await self.primary.served(work, queued)
 
     def alone(self, limits: Limits) -> Limits | None:
@@ -282,6 +300,9 @@ class FallbackLedger:
     def on_freed(self, callback: FreedCallback) -> None:
         self._callbacks.append(callback)
         self.primary.on_freed(callback)
+
+    def on_script_error(self, callback: Callable[[str], None]) -> None:
+        self.primary.on_script_error(callback)
 
     def _wake(self, lane: str) -> None:
         if self._loop is None or self._loop.is_closed():

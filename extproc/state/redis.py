@@ -53,12 +53,22 @@ from importlib import resources
 from typing import Any, TypeVar
 from urllib.parse import parse_qs, unquote, urlsplit
 
+import structlog
 from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import (
+    MasterDownError,
+    NoPermissionError,
+    NoScriptError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
 
 from extproc.state import (
     ALL_LANES,
@@ -71,12 +81,15 @@ from extproc.state import (
     LedgerUnavailable,
     Level,
     Limits,
+    StoreDown,
+    StoreScriptError,
     Verdict,
     summary_changes,
     wake,
 )
 
 _SENTINEL_PORT = 26379
+log = structlog.get_logger("extproc")
 _T = TypeVar("_T")
 #: Scripts of the decision path, sent in shared pipelines (the heartbeat and the view go alone).
 _BATCHED = frozenset({"acquire", "release", "queue", "bucket"})
@@ -88,6 +101,18 @@ _BUCKET_IDLE_MS = str(7 * 86_400_000)
 #: most this many lane/tenant fields.
 _SERVED_TTL_MS = str(3_600_000)
 _SERVED_MAX_FIELDS = 100_000
+#: Error replies that say the store cannot serve anyone now (a read-only replica after a failover, out
+#: of memory, no permission, a primary gone, a script stuck): an outage. Any other error reply is the
+#: failure of that one call (a script that hit a limit or a bug): the store is up, other calls go on.
+_DOWN_REPLIES = (ReadOnlyError, OutOfMemoryError, NoPermissionError, MasterDownError, TryAgainError)
+_DOWN_PREFIXES = ("BUSY", "LOADING", "MASTERDOWN", "READONLY", "OOM", "NOPERM")
+
+
+def _is_outage(exc: BaseException) -> bool:
+    """Whether a client error means the store is unavailable (else: one call's own error reply)."""
+    if not isinstance(exc, ResponseError) or isinstance(exc, _DOWN_REPLIES):
+        return True
+    return str(exc).lstrip().upper().startswith(_DOWN_PREFIXES)
 
 
 @dataclass(slots=True)
@@ -227,6 +252,9 @@ class RedisLedger:
         """Held leases the heartbeat had to put back (Redis lost them)."""
         self._callbacks: list[FreedCallback] = []
         self._failure_callbacks: list[Callable[[str], None]] = []
+        self._script_error_callbacks: list[Callable[[str], None]] = []
+        self.script_errors = 0
+        """Calls that failed with an error reply while the store was up (not outages)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._client: Redis | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -267,18 +295,22 @@ class RedisLedger:
         pool = ConnectionPool.from_url(target.url, max_connections=pool_size, **common)
         return Redis.from_pool(pool)
 
-    async def _io(self, call: Callable[[Redis], Awaitable[_T]], probe: bool = False) -> _T:
+    async def _io(self, call: Callable[[Redis], Awaitable[_T]], probe: bool = False, name: str = "") -> _T:
         """One round trip, in turn. Once one has failed, the others fail at once (a decision must not
-        pay a timeout per call during an outage) until a ``probe`` — the heartbeat — gets through."""
+        pay a timeout per call during an outage) until a ``probe`` — the heartbeat — gets through.
+        An error reply of this call alone (``_is_outage``) raises ``StoreScriptError`` and leaves the
+        ledger's health as it was."""
         client = self._client
         if client is None:
-            raise LedgerUnavailable("ledger not started, or closed")
+            raise StoreDown("ledger not started, or closed")
         async with self._gate:
             if not (self.healthy or probe):
-                raise LedgerUnavailable(self.failure or "redis unavailable")
+                raise StoreDown(self.failure or "redis unavailable")
             try:
                 result = await call(client)
             except (RedisError, OSError) as exc:
+                if not _is_outage(exc):
+                    raise self._script_error(name or "command", exc) from exc
                 raise self._unavailable(exc) from exc
         self.healthy, self.failure = True, None
         return result
@@ -288,7 +320,7 @@ class RedisLedger:
         script = self._scripts[name]
         if name in _BATCHED and not probe and (self._queue or self._gate.locked()):
             return await self._batched(name, keys, args)
-        return await self._io(lambda client: script(keys=keys, args=args, client=client), probe)
+        return await self._io(lambda client: script(keys=keys, args=args, client=client), probe, name)
 
     # -- batching: the calls of the decision path share round trips --------------------------
 
@@ -302,9 +334,9 @@ class RedisLedger:
         callers treat that like any call whose answer was lost.
         """
         if self._client is None:
-            raise LedgerUnavailable("ledger not started, or closed")
+            raise StoreDown("ledger not started, or closed")
         if not self.healthy:
-            raise LedgerUnavailable(self.failure or "redis unavailable")
+            raise StoreDown(self.failure or "redis unavailable")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         self._queue.append(_Call(name, keys, args, future))
@@ -342,12 +374,11 @@ class RedisLedger:
                 return
         self.healthy, self.failure = True, None
         for call, result in zip(batch, results, strict=True):
-            if call.future.done():
-                continue
             if isinstance(result, Exception):
-                call.future.set_exception(LedgerUnavailable(f"redis {self.target.describe()}: script "
-                                                            f"{call.name}: {result}"))
-            else:
+                failure = self._script_error(call.name, result)
+                if not call.future.done():
+                    call.future.set_exception(failure)
+            elif not call.future.done():
                 call.future.set_result(result)
 
     async def _pipeline(self, client: Redis, batch: list[_Call]) -> list[Any]:
@@ -380,6 +411,14 @@ class RedisLedger:
         for callback in self._failure_callbacks:
             callback(reason)
         return LedgerUnavailable(reason)
+
+    def _script_error(self, name: str, exc: BaseException) -> StoreScriptError:
+        """One call's error reply: logged and counted; the store stays healthy."""
+        self.script_errors += 1
+        log.warning("store_script_error", script=name, error=str(exc)[:300])
+        for callback in self._script_error_callbacks:
+            callback(name)
+        return StoreScriptError(name, f"redis {self.target.describe()}: script {name}: {exc}")
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -420,6 +459,10 @@ class RedisLedger:
     def on_failure(self, callback: Callable[[str], None]) -> None:
         """Call ``callback(reason)`` whenever a Redis call fails (foreground or background)."""
         self._failure_callbacks.append(callback)
+
+    def on_script_error(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(script)`` whenever a call gets an error reply from a store that is up."""
+        self._script_error_callbacks.append(callback)
 
     # -- heartbeat ------------------------------------------------------------------------
 
@@ -625,6 +668,11 @@ class RedisLedger:
     fail_open = False
     fleet_size = 1
 
+    @property
+    def parts(self) -> int:
+        """Into how many parts the fleet's budgets are split while the store is away (bare: it raises)."""
+        return max(len(self.alive), self.fleet_size)
+
 
     def budget_key(self, name: str) -> str:
         """The Redis key of the bucket named ``name`` (``<kind>:<tenant>``)."""
@@ -661,11 +709,17 @@ class RedisLedger:
         for field, seconds in fields.items():
             args += [field, repr(seconds)]
         args += wanted
-        values = await self._run("served", [self._served_key], args)
-        totals: dict[str, float] = {}
-        for field, value in zip(wanted, values, strict=True):
-            with contextlib.suppress(TypeError, ValueError):
-                totals[field] = float(value)
+        try:
+            values = await self._run("served", [self._served_key], args)
+            totals: dict[str, float] = {}
+            for field, value in zip(wanted, values, strict=True):
+                with contextlib.suppress(TypeError, ValueError):
+                    totals[field] = float(value)
+        except BaseException:
+            # The script may have run and added this replica's work before the answer was lost: the
+            # totals read next would show that work as the others'. Start from a baseline instead.
+            self.forget_served()
+            raise
         seen, self._served_seen = self._served_seen, totals
         others: dict[tuple[str, str], float] = {}
         for field, total in totals.items():
@@ -676,6 +730,10 @@ class RedisLedger:
             if delta > 1e-9 and sep:
                 others[(lane, tenant)] = delta
         return others
+
+    def forget_served(self) -> None:
+        """Read the fleet's served totals afresh next time (a baseline, nothing charged)."""
+        self._served_seen = {}
 
     async def view(self) -> GlobalView:
         remote = {str(name) for name in await self._io(lambda client: client.smembers(self._lanes_key))}

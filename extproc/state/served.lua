@@ -15,5 +15,9 @@ for i = 4, pairs_end, 2 do
 end
 if redis.call('HLEN', KEYS[1]) > tonumber(ARGV[2]) then redis.call('DEL', KEYS[1]) end
 if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
-if #ARGV <= pairs_end then return {} end
-return redis.call('HMGET', KEYS[1], unpack(ARGV, pairs_end + 1))
+-- One HGET per field, not HMGET over unpack(ARGV): unpack fails above ~8000 values (Lua's stack).
+local out = {}
+for i = pairs_end + 1, #ARGV do
+  out[#out + 1] = redis.call('HGET', KEYS[1], ARGV[i])
+end
+return out

@@ -6,17 +6,19 @@ other replicas' deposits and withdrawals within the window only."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import math
 import random
 import shutil
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
-from extproc.core.budget import Budget, Rate
-from extproc.state import BucketOp, LedgerUnavailable
+from extproc.core.budget import Budget, Rate, _Bucket
+from extproc.state import BucketOp, LedgerUnavailable, StoreScriptError
 from extproc.state.fallback import FailMode, FallbackLedger
 from extproc.state.redis import RedisLedger
 from tests.integration.test_state_redis import RedisServer, server, shared_server  # noqa: F401
@@ -159,3 +161,143 @@ async def test_the_fallback_refuses_at_once_while_redis_is_away(server: RedisSer
     finally:
         await ledger.close()
 
+
+
+async def test_thousands_of_queued_pairs_are_read_and_an_error_reply_is_not_an_outage(
+        shared_server: RedisServer) -> None:  # noqa: F811
+    primary = RedisLedger(shared_server.url, prefix=f"t{uuid.uuid4().hex[:8]}", renew=False, timeout=1.0)
+    ledger = FallbackLedger(primary, mode=FailMode.OPEN, retry_interval=0.1)
+    errors: list[str] = []
+    ledger.on_script_error(errors.append)
+    await ledger.start()
+    try:
+        pairs = [("chat", f"tenant-{i}") for i in range(9000)]  # more than Lua's unpack can take
+        assert await ledger.served({pair: 1.0 for pair in pairs}, pairs) == {}
+        assert await ledger.served({}, pairs) == {}
+        assert len(primary._served_seen) == 9000
+        assert (ledger.degraded, primary.healthy) == (False, True)
+        # An error reply of one call (here an unknown command) is that call's failure, not an outage.
+        with pytest.raises(StoreScriptError):
+            await primary._io(lambda client: client.execute_command("NO-SUCH-COMMAND"), name="bogus")
+        assert (ledger.degraded, primary.healthy) == (False, True)
+        assert (primary.script_errors, errors) == (1, ["bogus"])
+        assert (await ledger.buckets([BucketOp("requests:t", "take", 1.0, 5.0, 1.0)]))[0].allowed
+    finally:
+        await ledger.close()
+
+
+@pytest.mark.parametrize(("level", "at"), [("-inf", "0"), ("inf", "0"), ("1", "inf"), ("1", "-inf"),
+                                           ("nan", "0"), ("-inf", "inf")])
+async def test_non_finite_values_in_a_bucket_are_garbage_a_full_bucket(
+        ledgers: list[RedisLedger], shared_server: RedisServer, level: str, at: str) -> None:  # noqa: F811
+    store = ledgers[0]
+    client = shared_server.client()
+    client.hset(store.budget_key("requests:x"), mapping={"level": level, "at": at})
+    for now in (None, 1_000.0):  # Redis TIME, and a time given
+        [answer] = await store.buckets([BucketOp("requests:x", "take", 1.0, 5.0, 1.0)], now)
+        assert (answer.allowed, answer.level) == (True, 4.0)
+        client.hset(store.budget_key("requests:x"), mapping={"level": level, "at": at})
+
+
+async def test_a_stored_time_ahead_of_the_stores_clock_does_not_freeze_the_refill(
+        ledgers: list[RedisLedger], shared_server: RedisServer) -> None:  # noqa: F811
+    store = ledgers[0]
+    client = shared_server.client()
+    ahead = repr(time.time() + 86_400.0)  # written by a primary whose clock was a day ahead
+    client.hset(store.budget_key("requests:y"), mapping={"level": "0", "at": ahead})
+    op = BucketOp("requests:y", "take", 100.0, 5.0, 1.0)  # 100 a second: one back in 10 ms
+    await store.buckets([op])  # on Redis TIME
+    await asyncio.sleep(0.05)
+    [answer] = await store.buckets([op])
+    assert answer.allowed
+    # The same with the time given: a step back of 500 s, then 0.2 s later.
+    client.hset(store.budget_key("requests:y"), mapping={"level": "0", "at": "1500"})
+    [answer] = await store.buckets([op], 1_000.0)
+    assert not answer.allowed
+    [answer] = await store.buckets([op], 1_000.2)
+    assert answer.allowed
+
+
+async def test_non_counts_in_the_retry_window_are_garbage(ledgers: list[RedisLedger],
+                                                         shared_server: RedisServer) -> None:  # noqa: F811
+    one, two = ledgers
+    client = shared_server.client()
+    t = 7_000_000  # ms: slots of 1 s
+    slot = t // 1000
+    client.hset(one._retry_key, mapping={f"d:{slot}:other": "inf", f"w:{slot}:other": "-inf",
+                                         f"d:{slot}:third": "nan", f"w:{slot}:third": "1.5",
+                                         f"w:{slot}:{one.replica}": "0.5", f"d:{slot}:fourth": "3"})
+    assert await one.retry_counts(2, 1, 10.0, 10, now_ms=t) == (3, 0)  # its own garbage replaced too
+    assert await two.retry_counts(0, 0, 10.0, 10, now_ms=t) == (5, 1)
+
+
+async def test_a_served_answer_lost_after_the_script_ran_is_not_charged_as_the_others_work(
+        ledgers: list[RedisLedger]) -> None:
+    one, _ = ledgers
+    acme = ("chat", "acme")
+    assert await one.served({acme: 1.0}, [acme]) == {}  # a baseline
+    real = one._run
+
+    async def lost(name: str, keys: Any, args: Any, probe: bool = False) -> Any:
+        await real(name, keys, args, probe)  # the script runs; its answer never arrives
+        raise LedgerUnavailable("timeout")
+
+    one._run = lost  # type: ignore[method-assign]
+    with pytest.raises(LedgerUnavailable):
+        await one.served({acme: 2.0}, [acme])
+    one._run = real  # type: ignore[method-assign]
+    assert await one.served({}, [acme]) == {}  # a baseline again: its own 2.0 is not the others'
+
+
+async def test_the_served_baseline_starts_over_when_the_store_degrades(server: RedisServer) -> None:  # noqa: F811
+    primary = RedisLedger(server.url, prefix="sv", renew=False, timeout=0.2)
+    ledger = FallbackLedger(primary, mode=FailMode.OPEN, retry_interval=0.1)
+    await ledger.start()
+    try:
+        acme = ("chat", "acme")
+        assert await ledger.served({acme: 1.0}, [acme]) == {}
+        assert primary._served_seen
+        server.kill()
+        with pytest.raises(LedgerUnavailable):
+            await ledger.buckets([BucketOp("requests:t", "take", 1.0, 5.0, 1.0)])
+        assert ledger.degraded
+        assert primary._served_seen == {}
+    finally:
+        await ledger.close()
+
+
+async def test_on_the_stores_own_clock_the_lua_buckets_do_the_pure_budgets_arithmetic(
+        ledgers: list[RedisLedger], shared_server: RedisServer) -> None:  # noqa: F811
+    """The Redis TIME path (no ``now`` given): each answer lies between the pure Budget's answers at
+    the store's time just before and just after the call, and the stored time is within them."""
+    store = ledgers[0]
+    client = shared_server.client()
+    key = store.budget_key("clock")
+
+    def store_now() -> float:
+        seconds, micros = client.time()
+        return float(seconds) + micros / 1_000_000
+
+    rng = random.Random(11)
+    rate = Rate(20.0, 5.0)
+    budget = Budget(10)
+    for _ in range(40):
+        op = rng.choice(["check", "take", "take", "charge"])
+        amount = float(rng.randint(0, 3)) if op == "charge" else rng.choice([1.0, 2.0, 0.5])
+        before = store_now()
+        [level] = await store.buckets([BucketOp("clock", op, rate.per_second, rate.burst, amount)])
+        after = store_now()
+        early, late = copy.deepcopy(budget), copy.deepcopy(budget)
+        low = early.apply(op, "clock", rate, amount, before)
+        high = late.apply(op, "clock", rate, amount, after)
+        bounds = sorted((low.remaining, high.remaining))
+        assert bounds[0] - 1e-9 <= level.level <= bounds[1] + 1e-9
+        assert level.allowed in (low.allowed, high.allowed)
+        stored = client.hgetall(key)
+        if stored:
+            at = float(stored["at"])
+            assert before - 1e-6 <= at <= after + 1e-6
+            budget._buckets["clock"] = _Bucket(float(stored["level"]), at)
+        else:  # full: no key
+            budget._buckets.pop("clock", None)
+        await asyncio.sleep(rng.choice([0.0, 0.0, 0.01, 0.05]))

@@ -5,40 +5,66 @@ decides on the fleet's counts; a fair queue counts what other replicas served.""
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.controller import Controller
 from extproc.core.budget import Budget, Rate, part
+from extproc.core.decision import Outcome
+from extproc.core.estimate import Job
 from extproc.core.queue import Entry, LaneQueue
 from extproc.core.retry_budget import RetryBudget
 from extproc.metrics import Metrics
 from extproc.policy.ratelimit import RateLimit
 from extproc.servers.ratelimit import RateLimitService
-from extproc.state import BucketOp, LedgerUnavailable, Level
+from extproc.state import BucketOp, LedgerUnavailable, Level, StoreDown
+from extproc.state.fallback import FailMode, FallbackLedger
+from extproc.state.redis import RedisLedger
 from tests.unit.test_ratelimit_service import OK, OVER, Clock, Rig, make_policy, request
 
 
 class FakeStore:
     """A fleet's store: one pure Budget for every replica, the operations' rule of bucket.lua."""
 
-    def __init__(self, clock: Any, *, fail_open: bool = True, fleet_size: int = 3) -> None:
+    def __init__(self, clock: Any, *, fail_open: bool = True, fleet_size: int = 3,
+                 fleet: dict[tuple[str, str], float] | None = None) -> None:
+        #: The fleet's served totals by lane and tenant (share one dict between replicas' stores).
+        self.fleet = {} if fleet is None else fleet
+        self.seen: dict[tuple[str, str], float] = {}
         self.budget = Budget(100)
         self.clock = clock
         self.fail_open = fail_open
         self.fleet_size = fleet_size
         self.down = False
+        self.delay = 0.0
+        self.lose_answers = False
+        """Seconds each bucket call takes (a slow store)."""
         self.calls: list[list[BucketOp]] = []
         self.retry = (0, 0)
         self.sent: list[tuple[int, int]] = []
 
+    @property
+    def parts(self) -> int:
+        return self.fleet_size
+
     async def buckets(self, ops: Sequence[BucketOp], now: float | None = None) -> list[Level]:
         if self.down:
-            raise LedgerUnavailable("down")
+            raise StoreDown("down")
+        if self.delay:
+            await asyncio.sleep(self.delay)
         self.calls.append(list(ops))
+        if self.lose_answers:
+            self._apply(ops)
+            raise LedgerUnavailable("timeout")  # the script ran; its answer was lost
+        return self._apply(ops)
+
+    def _apply(self, ops: Sequence[BucketOp]) -> list[Level]:
         out, refused = [], False
         for op in ops:
             name = "check" if op.op == "take" and refused else op.op
@@ -50,13 +76,25 @@ class FakeStore:
     async def retry_counts(self, deposits: int, withdrawals: int, window_s: float, slots: int
                            ) -> tuple[int, int]:
         if self.down:
-            raise LedgerUnavailable("down")
+            raise StoreDown("down")
         self.sent.append((deposits, withdrawals))
         return self.retry
 
     async def served(self, work: Mapping[tuple[str, str], float],
                      queued: Iterable[tuple[str, str]] = ()) -> dict[tuple[str, str], float]:
-        return {}
+        """served.lua and RedisLedger.served: add this replica's work, read the queued pairs' totals;
+        the others' part is what changed that it did not add (a pair read for the first time: none)."""
+        if self.down:
+            self.seen = {}
+            raise StoreDown("down")
+        for pair, seconds in work.items():
+            if seconds > 0:
+                self.fleet[pair] = self.fleet.get(pair, 0.0) + seconds
+        totals = {pair: self.fleet[pair] for pair in set(queued) if pair in self.fleet}
+        seen, self.seen = self.seen, totals
+        others = {pair: total - seen[pair] - work.get(pair, 0.0)
+                  for pair, total in totals.items() if pair in seen}
+        return {pair: seconds for pair, seconds in others.items() if seconds > 1e-9}
 
 
 def shared(rig: Rig, **store: Any) -> FakeStore:
@@ -209,3 +247,146 @@ async def test_the_controller_syncs_the_retry_budget_with_the_fleet_and_goes_alo
     store.down = True
     await controller._sync_retry_budget()
     assert budget.balance(clock.now) == 10 - 1  # its third of the floor, on its own counts
+
+
+def _outage(replicas: Sequence[str], fleet_size: int = 1) -> FallbackLedger:
+    """A fallback ledger (never connected) that saw ``replicas`` alive, then lost its store."""
+    primary = RedisLedger("redis://127.0.0.1:1/0", replica=replicas[0])
+    ledger = FallbackLedger(primary, mode=FailMode.OPEN, fleet_size=fleet_size)
+    primary.alive = tuple(replicas)
+    ledger._note_alive()
+    ledger._down("gone")
+    return ledger
+
+
+async def test_in_an_outage_budgets_split_by_the_replicas_the_slot_ledger_counts() -> None:
+    ledger = _outage(["r0", "r1", "r2", "r3"])  # default flags: fleet size 1, but four replicas seen
+    assert ledger.degraded
+    assert ledger.parts == 4
+    assert _outage(["r0", "r1"], fleet_size=3).parts == 3  # never fewer than the fleet size
+    rig = Rig(budgets(requests=8, per="minute"))
+    rig.service = RateLimitService(rig.pressure, rig.metrics, lambda: rig.config, clock=rig.clock,
+                                   rng=random.Random(1), store=ledger)
+    arrival = request({"generic_key": "gpu_inference", "x-tenant-id": "t"})
+    codes = [(await rig.service.decide_shared(arrival)).overall_code for _ in range(3)]
+    assert codes == [OK, OK, OVER]  # 8 a minute / 4 replicas, not the whole budget
+
+
+async def test_in_an_outage_the_retry_floor_splits_by_the_replicas_the_slot_ledger_counts() -> None:
+    clock = Clock()
+    policy = make_policy(retry_budget={"ratio": 0.0, "min_per_second": 4.0, "window": "10s"})
+    controller = Controller(policy, Metrics(CollectorRegistry()), clock=clock,
+                            budgets=_outage(["r0", "r1", "r2", "r3"]))
+    await controller._sync_retry_budget()
+    assert controller.retry_budget.balance(clock.now) == 10  # a quarter of the fleet's 40
+
+
+async def test_a_slow_store_is_waited_for_only_briefly_then_the_replica_decides_alone() -> None:
+    rig = Rig(budgets(requests=6, per="minute"))
+    store = shared(rig, fleet_size=3)
+    rig.service.store_timeout = 0.02
+    store.delay = 0.3  # alive, but slower than Envoy's ratelimit timeout (50 ms shipped)
+    arrival = request({"generic_key": "gpu_inference", "x-tenant-id": "t"})
+    started = time.perf_counter()
+    codes = [(await rig.service.decide_shared(arrival)).overall_code for _ in range(3)]
+    assert time.perf_counter() - started < 0.25  # each well under 50 ms, not 300
+    assert codes == [OK, OK, OVER]  # its part: 6 a minute / 3 replicas
+    assert rig.sample("extproc_ratelimit_budget_timeouts_total") == 3
+    store.delay = 0.0
+    assert (await rig.service.decide_shared(arrival)).overall_code == OK  # the fleet's bucket again
+
+
+def _charges(store: FakeStore) -> list[tuple[str, float]]:
+    return [(op.key, op.amount) for call in store.calls for op in call if op.op == "charge"]
+
+
+async def _settled(service: RateLimitService) -> None:
+    while service._flushing:
+        await asyncio.gather(*list(service._flushing))
+
+
+def _usage(tenant: str, tokens: int) -> Any:
+    return request(({"generic_key": "gpu_inference_tokens", "x-tenant-id": tenant}, tokens))
+
+
+@pytest.mark.parametrize("fail_open", [True, False])
+async def test_usage_charged_while_the_store_is_away_reaches_the_fleet_when_back(fail_open: bool) -> None:
+    rig = Rig(budgets(tokens=100, per="minute"))
+    store = shared(rig, fail_open=fail_open)
+    store.down = True
+    for tokens in (150, 50):
+        await rig.service.decide_shared(_usage("t", tokens))
+        await _settled(rig.service)
+    assert len(rig.service.backlog) == 1  # merged per tenant
+    assert len(rig.service.edge.tokens) == (1 if fail_open else 0)  # open: its part is charged meanwhile
+    store.down = False
+    arrival = request({"generic_key": "gpu_inference", "x-tenant-id": "t"})
+    await rig.service.decide_shared(arrival)  # the store answers again: the backlog goes
+    await _settled(rig.service)
+    assert _charges(store) == [("tokens:t", 200.0)]
+    assert not rig.service.backlog
+    assert (await rig.service.decide_shared(arrival)).overall_code == OVER  # in debt, fleet-wide
+
+
+async def test_the_backlog_keeps_a_bounded_number_of_tenants_oldest_dropped_first() -> None:
+    rig = Rig(RateLimit.model_validate({"budgets": {"default": {"tokens": 100}, "max_tenants": 2}}))
+    rig.service = RateLimitService(rig.pressure, rig.metrics, lambda: rig.config, clock=rig.clock,
+                                   rng=random.Random(1), store=(store := FakeStore(rig.clock)))
+    store.down = True
+    for tenant in ("a", "b", "c"):
+        await rig.service.decide_shared(_usage(tenant, 10))
+        await _settled(rig.service)
+    assert rig.sample("extproc_ratelimit_charges_dropped_total") == 1
+    store.down = False
+    await rig.service.decide_shared(_usage("c", 5))
+    await _settled(rig.service)
+    assert _charges(store) == [("tokens:b", 10.0), ("tokens:c", 10.0), ("tokens:c", 5.0)]  # a: dropped
+
+
+async def test_usage_whose_answer_was_lost_is_not_replayed() -> None:
+    rig = Rig(budgets(tokens=100, per="minute"))
+    store = shared(rig)
+    store.lose_answers = True
+    await rig.service.decide_shared(_usage("t", 30))
+    await _settled(rig.service)
+    store.lose_answers = False
+    await rig.service.decide_shared(_usage("t", 1))
+    await _settled(rig.service)
+    assert _charges(store) == [("tokens:t", 30.0), ("tokens:t", 1.0)]  # the 30 once, not again
+    assert store.budget.check("tokens:t", Rate(100 / 60, 100.0), 1, rig.clock()).remaining == 69.0
+
+
+async def test_closing_waits_for_the_charges_on_their_way() -> None:
+    rig = Rig(budgets(tokens=100))
+    store = shared(rig)
+    store.delay = 0.05
+    await rig.service.decide_shared(_usage("t", 30))
+    await rig.service.close()
+    assert _charges(store) == [("tokens:t", 30.0)]
+
+
+async def test_the_controller_charges_its_fair_queues_what_the_other_replicas_served() -> None:
+    """Two replicas' stores over one fleet: what the other served for a tenant queued here puts that
+    tenant behind in this replica's fair queue; what this replica served itself is not charged again."""
+    clock = Clock()
+    fleet: dict[tuple[str, str], float] = {}
+    here, there = FakeStore(clock, fleet=fleet), FakeStore(clock, fleet=fleet)
+
+    controller = Controller(make_policy(), Metrics(CollectorRegistry()), clock=clock, budgets=here)
+    running = [controller.submit("interactive", "x", Job(None, 10, 10)).ticket for _ in range(2)]
+    waiting = {}
+    for tenant in ("globex", "acme"):
+        decision = controller.submit("interactive", tenant, Job(None, 10, 10))
+        assert decision.outcome is Outcome.QUEUED
+        waiting[tenant] = controller._waiters[decision.ticket.id]
+    queued = [("interactive", "globex"), ("interactive", "acme")]
+    await there.served({pair: 1.0 for pair in queued}, [])
+    await controller._sync_served(queued)  # a baseline
+    controller._served[("interactive", "acme")] = 50.0  # its own work: sent, never charged back
+    await there.served({("interactive", "globex"): 100.0}, [])  # the other replica served globex
+    await controller._sync_served(queued)
+    assert fleet == {("interactive", "globex"): 101.0, ("interactive", "acme"): 51.0}
+    assert controller._served == {}
+    controller.release(running[0])
+    answered = {tenant: future.result().outcome for tenant, future in waiting.items() if future.done()}
+    assert answered == {"acme": Outcome.ADMITTED}  # globex waits: the fleet served it elsewhere
