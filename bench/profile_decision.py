@@ -58,7 +58,8 @@ def start(s: localstack.Stack, workdir: Path, variants: list[tuple[str, Path]], 
                                        {"ext_proc": proc.popen.pid}))
     for name, path in variants:
         grpc, http = localstack.free_port(), localstack.free_port()
-        env = {"PYTHONPATH": str(path.resolve())}
+        # NAME=CHECKOUT[:MORE]: more entries (a sitecustomize probe, say) may follow the checkout.
+        env = {"PYTHONPATH": ":".join(str(Path(p).resolve()) for p in str(path).split(":"))}
         proc = s.extproc(policy, grpc, http, "--log-level", "info", name=f"extproc-{name}", env=env)
         cfg = overhead.Config(name, f"extproc serve from {path}", localstack.free_port(),
                               {"ext_proc": proc.popen.pid}, metrics_url=f"http://127.0.0.1:{http}/metrics")
@@ -128,9 +129,55 @@ def py_spy(pid: int, seconds: int, fmt: str, out: Path, native: bool) -> None:
                    check=True, capture_output=True, timeout=seconds + 60)
 
 
+def syscalls(cfg: overhead.Config, script: Path, seconds: int, connections: int) -> None:
+    """System calls of the ext_proc process per request (strace -c -f), under closed-loop wrk."""
+    argv = ["wrk", "-t1", f"-c{connections}", f"-d{seconds + 2}s", "-s", str(script), cfg.url]
+    wrk = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    time.sleep(1)
+    before = _requests(cfg)
+    trace = subprocess.run(["timeout", "-s", "INT", str(seconds), "strace", "-c", "-f", "-p",
+                            str(cfg.pids["ext_proc"])], capture_output=True, text=True, check=False)
+    n = _requests(cfg) - before
+    wrk.communicate(timeout=60)
+    print(f"{cfg.key}: {n:.0f} requests while traced; calls per request:")
+    for line in trace.stderr.splitlines():
+        parts = line.split()
+        if len(parts) >= 5 and parts[0][0].isdigit() and parts[-1] not in ("total",):
+            calls = int(parts[3])
+            if n and calls / n >= 0.05:
+                print(f"  {parts[-1]:16} {calls / n:6.2f}")
+
+
+def parallel(configs: list[overhead.Config], script: Path, seconds: int, connections: int
+             ) -> dict[str, dict[str, Any]]:
+    """Closed-loop wrk on every configuration at once: each sees the same machine (a neighbour's load
+    hits all alike), so their CPU per request compares even on a busy machine."""
+    before = {c.key: overhead.cpu_seconds(c.pids["ext_proc"]) for c in configs}
+    procs = {c.key: subprocess.Popen(["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--timeout", "2s",
+                                      "-s", str(script), c.url], stdout=subprocess.PIPE, text=True)
+             for c in configs}
+    out: dict[str, dict[str, Any]] = {}
+    for c in configs:
+        stdout, _ = procs[c.key].communicate(timeout=seconds + 30)
+        line = next(x for x in stdout.splitlines() if x.startswith("WRKJSON "))
+        r: dict[str, Any] = json.loads(line.removeprefix("WRKJSON "))
+        r["req_per_s"] = r["requests"] / (r["duration_us"] / 1e6)
+        r["latency_ms"] = {k: v / 1000 for k, v in r.pop("latency_us").items()}
+        cpu = overhead.cpu_seconds(c.pids["ext_proc"]) - before[c.key]
+        r["cpu_us_per_request"] = {"ext_proc": cpu / max(r["requests"], 1) * 1e6}
+        out[c.key] = r
+    return out
+
+
+def _requests(cfg: overhead.Config) -> float:
+    """Requests the process answered so far: extproc's decisions, or the upstream's count for the no-op."""
+    return sum(overhead.extproc_decisions(cfg).values()) if cfg.metrics_url else 0.0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--variant", action="append", default=[], help="NAME=CHECKOUT (default: this one)")
+    parser.add_argument("--variant", action="append", default=[],
+                        help="NAME=CHECKOUT[:PATH…] (default: this one)")
     parser.add_argument("--noop", action="store_true", help="also the no-op ext_proc server")
     parser.add_argument("--profile", type=int, default=0, help="seconds of py-spy per format (0: none)")
     parser.add_argument("--reps", type=int, default=0, help="interleaved closed-loop repetitions")
@@ -140,6 +187,9 @@ def main() -> None:
     parser.add_argument("--read-body", default="always")
     parser.add_argument("--out", type=Path, default=None, help="where profile_top20.md/.svg go")
     parser.add_argument("--tag", default="", help="suffix of the profile files")
+    parser.add_argument("--parallel", type=int, default=0,
+                        help="repetitions of closed-loop wrk on every configuration at once")
+    parser.add_argument("--strace", type=int, default=0, help="seconds of strace -c per configuration")
     parser.add_argument("--native", action="store_true", help="py-spy --native: C frames too (gRPC's core)")
     parser.add_argument("--keep", action="store_true", help="keep the process logs (printed path)")
     args = parser.parse_args()
@@ -184,8 +234,17 @@ def main() -> None:
                 text = markdown(by_own, by_cum, total, command, extra)
                 (out / f"profile_top20{args.tag}.md").write_text(text)
                 print(text)
+            if args.strace:
+                for cfg in configs:
+                    syscalls(cfg, closed, args.strace, args.connections)
             keys = [c.key for c in configs]
             by_key = {c.key: c for c in configs}
+            for _ in range(args.parallel):
+                for key, r in parallel(configs, closed, args.duration, args.connections).items():
+                    results[f"parallel:{key}"].append(r)
+                    print(f"parallel {key:8} {r['req_per_s']:7.0f} req/s  extproc "
+                          f"{r['cpu_us_per_request']['ext_proc']:.0f} µs/req  non2xx {r['non2xx']}",
+                          flush=True)
             for phase in (["rate"] if args.rate else []) + (["closed"] if args.reps else []):
                 for _rep, key in overhead._interleaved(keys, args.reps or 1):
                     cfg = by_key[key]
