@@ -148,13 +148,14 @@ def syscalls(cfg: overhead.Config, script: Path, seconds: int, connections: int)
                 print(f"  {parts[-1]:16} {calls / n:6.2f}")
 
 
-def parallel(configs: list[overhead.Config], script: Path, seconds: int, connections: int
-             ) -> dict[str, dict[str, Any]]:
+def parallel(configs: list[overhead.Config], script: Path, seconds: int, connections: int,
+             args: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
     """Closed-loop wrk on every configuration at once: each sees the same machine (a neighbour's load
     hits all alike), so their CPU per request compares even on a busy machine."""
     before = {c.key: overhead.cpu_seconds(c.pids["ext_proc"]) for c in configs}
     procs = {c.key: subprocess.Popen(["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--timeout", "2s",
-                                      "-s", str(script), c.url], stdout=subprocess.PIPE, text=True)
+                                      "-s", str(script), c.url, "--", *args],
+                                     stdout=subprocess.PIPE, text=True)
              for c in configs}
     out: dict[str, dict[str, Any]] = {}
     for c in configs:
@@ -189,6 +190,8 @@ def main() -> None:
     parser.add_argument("--tag", default="", help="suffix of the profile files")
     parser.add_argument("--parallel", type=int, default=0,
                         help="repetitions of closed-loop wrk on every configuration at once")
+    parser.add_argument("--paced", type=int, default=0,
+                        help="with --parallel: wrk paced at this rate on each configuration, not closed-loop")
     parser.add_argument("--strace", type=int, default=0, help="seconds of strace -c per configuration")
     parser.add_argument("--native", action="store_true", help="py-spy --native: C frames too (gRPC's core)")
     parser.add_argument("--keep", action="store_true", help="keep the process logs (printed path)")
@@ -240,7 +243,11 @@ def main() -> None:
             keys = [c.key for c in configs]
             by_key = {c.key: c for c in configs}
             for _ in range(args.parallel):
-                for key, r in parallel(configs, closed, args.duration, args.connections).items():
+                if args.paced:  # the same fixed rate on each: equal work, so CPU per request compares
+                    runs = parallel(configs, paced, args.duration, 16, (str(args.paced), "1"))
+                else:
+                    runs = parallel(configs, closed, args.duration, args.connections)
+                for key, r in runs.items():
                     results[f"parallel:{key}"].append(r)
                     print(f"parallel {key:8} {r['req_per_s']:7.0f} req/s  extproc "
                           f"{r['cpu_us_per_request']['ext_proc']:.0f} µs/req  non2xx {r['non2xx']}",
