@@ -39,6 +39,8 @@ from extproc.policy.schema import Lane, Policy
 ANY_LANE = "*"
 #: Descriptor entries that are not request headers.
 NOT_HEADERS = frozenset({"generic_key", "method", "path"})
+#: Distinct arrival descriptors whose classification the edge keeps (all forgotten once full).
+_ARRIVALS_KEPT = 4096
 #: A status count with no limit to report.
 UNLIMITED = 2**32 - 1
 
@@ -274,12 +276,30 @@ class Edge:
         #: True when a fleet's shared store keeps the budgets: charges are queued in ``charges``.
         self.shared = False
         self.charges: list[Ask] = []
+        #: ``request``'s answers for arrival descriptors seen under the current intake.
+        self._arrivals: dict[tuple[tuple[str, str], ...], tuple[str, list[str]]] = {}
+        self._lanes: dict[str, Lane] = {}
 
     def _intake_of(self, policy: Policy) -> Intake:
         intake = self._intake
         if intake is None or intake.policy is not policy:
             intake = self._intake = Intake(policy)
+            self._arrivals.clear()
+            self._lanes = {lane.name: lane for lane in policy.lanes}
         return intake
+
+    def arrival(self, entries: Mapping[str, str]) -> tuple[str, list[str]]:
+        """``request`` for an arrival descriptor, remembered per distinct descriptor (a pure function of
+        it and the policy; arrivals repeat a few paths and tenants): classifying anew cost more than the
+        rest of the edge's decision."""
+        self._intake_of(self.pressure.policy)
+        key = tuple(entries.items())
+        known = self._arrivals.get(key)
+        if known is None:
+            if len(self._arrivals) >= _ARRIVALS_KEPT:
+                self._arrivals.clear()
+            known = self._arrivals[key] = self.request(entries)
+        return known
 
     def request(self, entries: Mapping[str, str]) -> tuple[str, list[str]]:
         """The tenant and every lane the request could land in (the one intake, without a body)."""
@@ -314,7 +334,7 @@ class Edge:
         operations it needs (``asks``, in order), for this edge's budgets or a shared store."""
         self._sized(config)
         policy = self.pressure.policy
-        tenant, candidates = self.request(entries)
+        tenant, candidates = self.arrival(entries)
         weights, default = policy.tenants.weights, policy.tenants.default_weight
         # A retry (the retry budget's header, sent in the descriptor) may hold a booking on its
         # lane's return schedule: the edge lets it through for ext_proc to claim.
@@ -327,7 +347,7 @@ class Edge:
         # A request that may land in a lane that only observes must not be blocked here either.
         shadow = config.mode == "shadow"
         lane_checks: list[Check] = []
-        configs = {lane.name: lane for lane in policy.lanes}
+        configs = self._lanes
         for name in candidates:
             pressure = self.pressure.lane(name)
             config_of_lane = configs.get(name)
