@@ -150,7 +150,7 @@ class Scheduler:
         self._completions: dict[str, Rate] = {}
         self._fleet_rates: dict[str, float] = {}
         self._replicas = 1
-        self._schedule = ReturnSchedule()
+        self._schedule = ReturnSchedule(self._tenant_weight)
         #: Reserves a retry in the retry budget for a rejection that lets its client retry; False:
         #: no room (the gatekeeper sets it; None: no budget).
         self.permit: Callable[[float], bool] | None = None
@@ -190,6 +190,7 @@ class Scheduler:
         for name in [name for name in self._completions if name not in lanes]:
             del self._completions[name]
         self._schedule.forget(set(lanes))
+        self._schedule.reweigh(self._tenant_weight)
         self._update_limits()
         return self._dispatch(now) if now is not None else []
 
@@ -755,14 +756,18 @@ class Scheduler:
         returns the longest wait holds (places at ``pace``, and the slot time allowed for returns,
         ``supply``, in jobs of this one's ``work``), among the tenants queued or booked there: one
         tenant's flood of rejections cannot take every return."""
-        tenants = self.policy.tenants
-        active = {tenant, *self._schedule.tenants(lane)}
+        held = self._schedule.holders(lane)
+        total = self._schedule.held_weight(lane)  # kept as bookings come and go: O(1)
         queue = self._queues.get(lane)
-        if queue is not None:
-            active.update(queue.tenants())
-        weights = {name: tenants.weights.get(name, tenants.default_weight) for name in active}
-        share = weights[tenant] / sum(weights.values())
-        if share >= 1:
+        queued = queue.tenants() if queue is not None else {}
+        for name in queued:  # at most max_queued of them
+            if name not in held:
+                total += self._tenant_weight(name)
+        mine = self._tenant_weight(tenant)
+        if tenant not in held and tenant not in queued:
+            total += mine
+        share = mine / total if total > 0 else 1.0
+        if share >= 1 - 1e-12:
             return sys.maxsize  # alone: the schedule's own limits are all there is
         returns = pace * high
         if work > 0 and math.isfinite(supply):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 #: Time constant of the completion-rate estimates (seconds).
@@ -152,7 +152,12 @@ class ReturnSchedule:
     #: booking lets one retry past the edge, not every request that says it retries.
     PASS_HOLD = 1.0
 
-    def __init__(self) -> None:
+    def __init__(self, weight: Callable[[str], float] | None = None) -> None:
+        self._weight: Callable[[str], float] = weight or (lambda _: 1.0)
+        # lane -> tenant -> bookings held, and the sum of those tenants' weights: a tenant's cap
+        # needs the weight of every tenant holding bookings, at each rejection, in O(1).
+        self._held: dict[str, dict[str, int]] = {}
+        self._held_weight: dict[str, float] = {}
         self._next: dict[str, float] = {}
         # (lane, tenant) -> [(due, first attempt's arrival)], due times increasing: a lane's
         # places only move forward.
@@ -193,7 +198,32 @@ class ReturnSchedule:
             self._work[lane] = (self._allowance(lane, now, latest, supply) - work, now)
         self._booked.setdefault((lane, tenant), deque()).append((due, first))
         self._size += 1
+        self._count(lane, tenant, +1)
 
+    def _count(self, lane: str, tenant: str, delta: int) -> None:
+        held = self._held.setdefault(lane, {})
+        before = held.get(tenant, 0)
+        after = before + delta
+        if after > 0:
+            held[tenant] = after
+        else:
+            held.pop(tenant, None)
+        if before == 0 and after > 0:
+            self._held_weight[lane] = self._held_weight.get(lane, 0.0) + self._weight(tenant)
+        elif before > 0 and after <= 0:
+            self._held_weight[lane] = max(self._held_weight.get(lane, 0.0) - self._weight(tenant), 0.0)
+        if not held:
+            del self._held[lane]
+            self._held_weight.pop(lane, None)
+
+    def reweigh(self, weight: Callable[[str], float]) -> None:
+        """Tenants' weights changed (a policy reload): the held weights are summed anew."""
+        self._weight = weight
+        self._held_weight = {lane: sum(weight(t) for t in held) for lane, held in self._held.items()}
+
+    def held_weight(self, lane: str) -> float:
+        """The summed weights of the tenants holding bookings on ``lane``."""
+        return self._held_weight.get(lane, 0.0)
     def _allowance(self, lane: str, now: float, latest: float, supply: float) -> float:
         if not math.isfinite(supply):
             return math.inf
@@ -209,8 +239,13 @@ class ReturnSchedule:
             return None
         _, first = booked.popleft()
         self._size -= 1
+        self._count(lane, tenant, -1)
         if not booked:
             del self._booked[(lane, tenant)]
+        # The edge's pass for this booking is spent with it: the tenant's next due booking may pass.
+        passes = self._passes.get((lane, tenant))
+        if passes:
+            passes.popleft()
         return first
 
     def claimable(self, lane: str, tenant: str, now: float) -> bool:
@@ -237,11 +272,11 @@ class ReturnSchedule:
 
     def booked(self, lane: str, tenant: str) -> int:
         """Bookings ``tenant`` holds on ``lane``'s schedule (lapsed ones until swept)."""
-        return len(self._booked.get((lane, tenant), ()))
+        return self._held.get(lane, {}).get(tenant, 0)
 
-    def tenants(self, lane: str) -> set[str]:
-        """The tenants holding bookings on ``lane``'s schedule."""
-        return {tenant for (name, tenant) in self._booked if name == lane}
+    def holders(self, lane: str) -> Mapping[str, int]:
+        """The tenants holding bookings on ``lane``'s schedule, with how many."""
+        return self._held.get(lane, {})
 
     def _live(self, lane: str, tenant: str, now: float) -> deque[tuple[float, float]] | None:
         booked = self._booked.get((lane, tenant))
@@ -250,6 +285,7 @@ class ReturnSchedule:
         while booked and booked[0][0] + self.LATE < now:
             booked.popleft()
             self._size -= 1
+            self._count(lane, tenant, -1)
         if not booked:
             del self._booked[(lane, tenant)]
             return None
@@ -275,5 +311,8 @@ class ReturnSchedule:
             self._work.pop(lane, None)
         for key in [key for key in self._booked if key[0] not in lanes]:
             self._size -= len(self._booked.pop(key))
+        for lane in [lane for lane in self._held if lane not in lanes]:
+            del self._held[lane]
+            self._held_weight.pop(lane, None)
         for key in [key for key in self._passes if key[0] not in lanes]:
             del self._passes[key]

@@ -40,6 +40,7 @@ ANY_LANE = "*"
 #: Descriptor entries that are not request headers.
 NOT_HEADERS = frozenset({"generic_key", "method", "path"})
 #: Distinct arrival descriptors whose classification the edge keeps (all forgotten once full).
+_ARRIVAL_KEY_BYTES = 1024
 _ARRIVALS_KEPT = 4096
 #: A status count with no limit to report.
 UNLIMITED = 2**32 - 1
@@ -158,14 +159,15 @@ def may_crowd(tenant: str, queued: Mapping[str, int], weight: Callable[[str], fl
 
 def lane_check(name: str, lane: Lane, pressure: LanePressure, *, tenant: str, weight: Callable[[str], float],
                queue_share: float, shed_saturated: bool, retry_max_s: float,
-               drain_s: Callable[[], float], claimed: bool = False) -> Check:
+               drain_s: Callable[[], float], claimed: Callable[[], bool] | None = None) -> Check:
     """Whether the edge sheds ``tenant``'s request to ``lane`` under ``pressure``.
 
     The lane's room is its slots plus the queue places before the edge sheds
     (``queue_share`` of ``max_queued``, rounded up). A full queue sheds only if no slot is
     free either (the scheduler's verdict), and only a tenant that already holds its fair
     share of the queue, nor a returning retry that holds a booking (``claimed``: ext_proc gives it
-    its kept place). ``drain_s`` is called only for a full lane.
+    its kept place; asked only when the lane would shed otherwise, as asking takes the booking's
+    one pass). ``drain_s`` is called only for a full lane.
     """
     threshold = math.ceil(queue_share * pressure.max_queued)
     room = pressure.limit + threshold
@@ -176,7 +178,8 @@ def lane_check(name: str, lane: Lane, pressure: LanePressure, *, tenant: str, we
     if shed_saturated and pressure.shed_by is not None:
         return Check(True, Reason.SATURATED, label, room, None, 0, retry_max_s)
     crowds = pressure.max_queued > 0 and may_crowd(tenant, pressure.tenants, weight)
-    if not pressure.slot_free and pressure.queued >= threshold and not crowds and not claimed:
+    if (not pressure.slot_free and pressure.queued >= threshold and not crowds
+            and not (claimed is not None and claimed())):
         drain = drain_s()
         wait = drain if math.isfinite(drain) and drain > 0 else 0.0
         return Check(True, Reason.QUEUE_FULL, label, room, None, 0, wait)
@@ -293,12 +296,17 @@ class Edge:
         it and the policy; arrivals repeat a few paths and tenants): classifying anew cost more than the
         rest of the edge's decision."""
         self._intake_of(self.pressure.policy)
-        key = tuple(entries.items())
+        # Classification reads the path without its query: so does the key. A key longer than
+        # _ARRIVAL_KEY_BYTES (client-chosen paths and header values) is classified, not kept: the
+        # memo holds at most _ARRIVALS_KEPT small keys.
+        key = tuple((k, v.split("?", 1)[0]) if k == "path" else (k, v) for k, v in entries.items())
         known = self._arrivals.get(key)
         if known is None:
-            if len(self._arrivals) >= _ARRIVALS_KEPT:
-                self._arrivals.clear()
-            known = self._arrivals[key] = self.request(entries)
+            known = self.request(entries)
+            if sum(len(k) + len(v) for k, v in key) <= _ARRIVAL_KEY_BYTES:
+                if len(self._arrivals) >= _ARRIVALS_KEPT:
+                    self._arrivals.clear()
+                self._arrivals[key] = known
         return known
 
     def request(self, entries: Mapping[str, str]) -> tuple[str, list[str]]:
@@ -359,7 +367,7 @@ class Edge:
                 name, config_of_lane, pressure, tenant=tenant, weight=weight, queue_share=config.queue_share,
                 shed_saturated=config.shed_saturated, retry_max_s=policy.retry_after.max,
                 drain_s=lambda name=name: self.pressure.drain_s(name),  # type: ignore[misc]
-                claimed=retry and self.pressure.claimable(name, tenant)))
+                claimed=(lambda name=name: self.pressure.claimable(name, tenant)) if retry else None))  # type: ignore[misc]
         if lane_checks:
             # Shed only if every lane the request could land in sheds; else report one that has room.
             open_lanes = [c for c in lane_checks if not c.over]

@@ -244,6 +244,37 @@ def test_the_edge_lets_one_retry_through_per_booking() -> None:
     assert not schedule.claimable("a", "acme", 11.4)
 
 
+def test_a_claim_gives_back_its_pass_so_the_next_due_booking_passes_the_edge() -> None:
+    schedule = ReturnSchedule()
+    schedule.book("a", "acme", 10.0, 1.0, first=3.0, now=0)
+    schedule.book("a", "acme", 10.2, 1.0, first=4.0, now=0)
+    assert schedule.claimable("a", "acme", 10.0)
+    assert schedule.claim("a", "acme", 10.0) == 3.0
+    assert schedule.holds("a", "acme", 10.2)
+    assert schedule.claimable("a", "acme", 10.2)  # not shed for a pass its sibling already spent
+    assert schedule.claim("a", "acme", 10.2) == 4.0
+
+
+def test_the_held_weights_follow_bookings_and_reloads() -> None:
+    weights = {"t": 3.0}
+    schedule = ReturnSchedule(lambda name: weights.get(name, 1.0))
+    schedule.book("a", "t", 10.0, 1.0, first=0.0, now=0)
+    schedule.book("a", "t", 11.0, 1.0, first=0.0, now=0)
+    schedule.book("a", "u", 12.0, 1.0, first=0.0, now=0)
+    assert schedule.held_weight("a") == 4.0
+    assert dict(schedule.holders("a")) == {"t": 2, "u": 1}
+    schedule.claim("a", "t", 10.0)
+    assert schedule.held_weight("a") == 4.0  # t still holds one
+    schedule.claim("a", "t", 11.0)
+    assert schedule.held_weight("a") == 1.0
+    weights["u"] = 5.0
+    schedule.reweigh(lambda name: weights.get(name, 1.0))
+    assert schedule.held_weight("a") == 5.0
+    schedule.expire(100.0)  # u's lapsed
+    assert schedule.held_weight("a") == 0.0
+    assert dict(schedule.holders("a")) == {}
+
+
 def test_a_rejection_when_the_schedule_is_full_says_do_not_retry() -> None:
     s, now = full_lane(retry_after={"max": 6, "share": 0.1})
     told = [s.submit("a", "t", job(), now)[0] for _ in range(10)]

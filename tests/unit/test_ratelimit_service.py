@@ -785,3 +785,14 @@ def test_problems_name_each_key() -> None:
         "ratelimit.budgets.tenants.acme: no tenants.header is set, so every request is tenant 'anon' and "
         "this budget could never apply",
     ]
+
+
+def test_the_edge_remembers_few_small_arrivals_and_never_a_client_sized_one() -> None:
+    rig = Rig()
+    edge = rig.service.edge
+    for i in range(3):
+        rig.ask(arrival(path=f"/v1/chat/completions?n={i}"))  # the query classifies nothing
+    assert len(edge._arrivals) == 1
+    rig.ask(arrival(path="/v1/" + "x" * 5000))  # a client-chosen path of 5 kB: judged, not kept
+    assert len(edge._arrivals) == 1
+    assert rig.ask(arrival(path="/v1/" + "x" * 5000)).overall_code == OK
