@@ -64,6 +64,9 @@ from extproc.state import BucketOp, BudgetStore, LedgerUnavailable, StoreDown
 
 SERVICE = "envoy.service.ratelimit.v3.RateLimitService"
 _UINT32 = UNLIMITED
+#: The most budget operations in one store call when charging usage: a script runs alone on the
+#: store, and 200 bucket operations take a few milliseconds, well within its timeout (50 ms).
+REPLAY_CHUNK = 200
 __all__ = ["ANY_LANE", "SERVICE", "Check", "ControllerPressure", "LanePressure", "Pressure",
            "RateLimitService", "add_to_server"]
 
@@ -210,36 +213,41 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
         return self.edge.settle(parts, now)
 
     async def _flush(self) -> None:
-        """Send the queued usage charges and the backlog (one store call for all of them).
+        """Send the queued usage charges and the backlog, in chunks of at most ``REPLAY_CHUNK``
+        operations, one store call after another.
 
-        Off the request's path, so bounded only by the store's own timeouts. While the store is
-        known to be away (``StoreDown``: nothing was sent) the charges go to the backlog, replayed
-        when it is back, and (failing open) to this replica's part of each budget, which it decides
-        on meanwhile. A call that failed on its way (a timeout, a lost answer) may have run: the
-        script is atomic, so either all of it was charged or none. Those charges are not replayed:
-        a replay could charge a response twice fleet-wide; at worst a tenant is forgiven one batch of
-        usage at the start of an outage. (The local part and the fleet's bucket are never decided
-        on together, so charging both is not charging twice.)"""
+        Off the request's path, so bounded only by the store's own timeouts. Chunked because one
+        script runs alone on the store: a whole outage's backlog in one call (thousands of tenants)
+        would outlast the store's timeout and hold every replica's decisions up meanwhile. While the
+        store is known to be away (``StoreDown``: nothing of that chunk was sent) the unsent charges
+        go to the backlog, replayed when it is back, and (failing open) to this replica's part of
+        each budget, which it decides on meanwhile. A call that failed on its way (a timeout, a lost
+        answer) may have run: the script is atomic, so either all of its chunk was charged or none.
+        Those charges are not replayed: a replay could charge a response twice fleet-wide; at worst a
+        tenant is forgiven one chunk of usage at the start of an outage. (The local part and the
+        fleet's bucket are never decided on together, so charging both is not charging twice.)"""
         store = self.store
         assert store is not None
         fresh, self.edge.charges = self.edge.charges, []
         replay = self.backlog.take()
-        asks = replay + fresh
-        if not asks:
-            return
-        ops = [BucketOp(f"{ask.kind}:{ask.tenant}", ask.op, ask.rate.per_second, ask.rate.burst, ask.amount)
-               for ask in asks]
-        try:
-            await store.buckets(ops)
-        except StoreDown:
-            self._keep(asks)
-            self._settle_alone(store, fresh, self.now())
-        except LedgerUnavailable:
-            self._settle_alone(store, fresh, self.now())
-            self.log.warning("token usage in doubt (the store may have charged it): not replayed",
-                             charges=len(asks))
-        except Exception:
-            self.log.warning("could not charge token usage", exc_info=True)
+        pending = [(ask, False) for ask in replay] + [(ask, True) for ask in fresh]
+        while pending:
+            chunk, pending = pending[:REPLAY_CHUNK], pending[REPLAY_CHUNK:]
+            ops = [BucketOp(f"{ask.kind}:{ask.tenant}", ask.op, ask.rate.per_second, ask.rate.burst,
+                            ask.amount) for ask, _ in chunk]
+            try:
+                await store.buckets(ops)
+            except StoreDown:
+                unsent = chunk + pending
+                self._keep([ask for ask, _ in unsent])
+                self._settle_alone(store, [ask for ask, new in unsent if new], self.now())
+                return
+            except LedgerUnavailable:
+                self._settle_alone(store, [ask for ask, new in chunk if new], self.now())
+                self.log.warning("token usage in doubt (the store may have charged it): not replayed",
+                                 charges=len(chunk))
+            except Exception:
+                self.log.warning("could not charge token usage", exc_info=True, charges=len(chunk))
 
     def _keep(self, asks: list[Ask]) -> None:
         self.backlog.max_tenants = self.config().budgets.max_tenants

@@ -22,7 +22,7 @@ from extproc.core.queue import Entry, LaneQueue
 from extproc.core.retry_budget import RetryBudget
 from extproc.metrics import Metrics
 from extproc.policy.ratelimit import RateLimit
-from extproc.servers.ratelimit import RateLimitService
+from extproc.servers.ratelimit import REPLAY_CHUNK, RateLimitService
 from extproc.state import BucketOp, LedgerUnavailable, Level, StoreDown
 from extproc.state.fallback import FailMode, FallbackLedger
 from extproc.state.redis import RedisLedger
@@ -390,3 +390,36 @@ async def test_the_controller_charges_its_fair_queues_what_the_other_replicas_se
     controller.release(running[0])
     answered = {tenant: future.result().outcome for tenant, future in waiting.items() if future.done()}
     assert answered == {"acme": Outcome.ADMITTED}  # globex waits: the fleet served it elsewhere
+
+
+async def test_a_large_backlog_is_replayed_in_chunks_and_what_was_not_sent_is_kept() -> None:
+    """Thousands of tenants' usage missed in an outage: one script with all of them would hold the
+    store past its timeout (every replica waits meanwhile); chunks go one after another, and a
+    chunk the store refuses (down again) goes back to the backlog with the ones after it."""
+    rig = Rig(RateLimit.model_validate({"budgets": {"default": {"tokens": 100}, "max_tenants": 5000}}))
+    store = shared(rig, fail_open=False)
+    store.down = True
+    for i in range(1000):
+        await rig.service.decide_shared(_usage(f"t{i}", 10))
+    await _settled(rig.service)
+    assert len(rig.service.backlog) == 1000
+    store.down = False
+    sent = 0
+    real = store.buckets
+
+    async def down_after_two(ops: Sequence[BucketOp], now: float | None = None) -> list[Level]:
+        nonlocal sent
+        if sent == 2:
+            store.down = True
+        sent += 1
+        return await real(ops, now)
+
+    store.buckets = down_after_two  # type: ignore[method-assign]
+    await rig.service._flush()
+    assert [len(call) for call in store.calls] == [REPLAY_CHUNK, REPLAY_CHUNK]
+    assert len(rig.service.backlog) == 1000 - 2 * REPLAY_CHUNK  # the unsent chunks, kept
+    store.down = False
+    await rig.service._flush()
+    assert all(len(call) <= REPLAY_CHUNK for call in store.calls)
+    assert sorted(key for key, _ in _charges(store)) == sorted(f"tokens:t{i}" for i in range(1000))
+    assert not rig.service.backlog
