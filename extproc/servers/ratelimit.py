@@ -121,7 +121,8 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
         self.alone = False
         """Whether the last budget decision was taken without the store."""
         self._flushing: set[asyncio.Task[None]] = set()
-        #: Usage charges the store missed while it was unreachable, sent when it is back.
+        #: Usage charges the store missed while it was unreachable and no part of a budget took
+        #: (failing closed), sent when it is back.
         self.backlog = Backlog(config().budgets.max_tenants)
         self._redactor: Redactor | None = None
         self._log_key = log_key or secrets.token_bytes(32)
@@ -220,11 +221,13 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
         script runs alone on the store: a whole outage's backlog in one call (thousands of tenants)
         would outlast the store's timeout and hold every replica's decisions up meanwhile. While the
         store is known to be away (``StoreDown``: nothing of that chunk was sent) the unsent charges
-        go to the backlog, replayed when it is back, and (failing open) to this replica's part of
-        each budget, which it decides on meanwhile. A call that failed on its way (a timeout, a lost
-        answer) may have run: the script is atomic, so either all of its chunk was charged or none.
-        Those charges are not replayed: a replay could charge a response twice fleet-wide; at worst a
-        tenant is forgiven one chunk of usage at the start of an outage. (The local part and the
+        go, failing open, to this replica's part of each budget, which it decides on meanwhile (and
+        nowhere else: that part is how the outage's usage was enforced); failing closed, to the
+        backlog, replayed when the store is back. Backlog charges not sent go back to it. A call that
+        failed on its way (a timeout, a lost answer) may have run: the script is atomic, so either all
+        of its chunk was charged or none. Those charges are not replayed: a replay could charge a
+        response twice fleet-wide; at worst a tenant is forgiven one chunk of usage at the start of an
+        outage. (The local part and the
         fleet's bucket are never decided on together, so charging both is not charging twice.)"""
         store = self.store
         assert store is not None
@@ -239,7 +242,11 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
                 await store.buckets(ops)
             except StoreDown:
                 unsent = chunk + pending
-                self._keep([ask for ask, _ in unsent])
+                # Failing open, a fresh charge goes to this replica's part of the budget, which it
+                # enforces meanwhile: accounted for, so not kept (replayed into the fleet's bucket,
+                # refilled by then, it would lock the tenant out as long again for usage it was
+                # already held to). Failing closed it is accounted nowhere: kept for the fleet.
+                self._keep([ask for ask, new in unsent if not (new and store.fail_open)])
                 self._settle_alone(store, [ask for ask, new in unsent if new], self.now())
                 return
             except LedgerUnavailable:
