@@ -28,7 +28,6 @@ refusing every request that has a budget.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import random
 import secrets
@@ -121,6 +120,8 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
         self.alone = False
         """Whether the last budget decision was taken without the store."""
         self._flushing: set[asyncio.Task[None]] = set()
+        #: Arrivals' store calls still on their way (a timed-out one goes on, shielded): awaited at close.
+        self._calls: set[asyncio.Future[Any]] = set()
         #: Usage charges the store missed while it was unreachable and no part of a budget took
         #: (failing closed), sent when it is back.
         self.backlog = Backlog(config().budgets.max_tenants)
@@ -186,6 +187,8 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
         # fleet's buckets as well as this replica's part: stricter, never looser.
         call = asyncio.ensure_future(store.buckets(ops))
         call.add_done_callback(_retrieve)
+        self._calls.add(call)
+        call.add_done_callback(self._calls.discard)
         try:
             async with asyncio.timeout(self.store_timeout):
                 levels = await asyncio.shield(call)
@@ -213,7 +216,7 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
                      ask.tenant_limit) for ask in asks]
         return self.edge.settle(parts, now)
 
-    async def _flush(self) -> None:
+    async def _flush(self, sending: _Sending | None = None) -> None:
         """Send the queued usage charges and the backlog, in chunks of at most ``REPLAY_CHUNK``
         operations, one store call after another.
 
@@ -228,20 +231,24 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
         of its chunk was charged or none. Those charges are not replayed: a replay could charge a
         response twice fleet-wide; at worst a tenant is forgiven one chunk of usage at the start of an
         outage. (The local part and the
-        fleet's bucket are never decided on together, so charging both is not charging twice.)"""
+        fleet's bucket are never decided on together, so charging both is not charging twice.)
+
+        ``sending`` shows what is left to send and what is on its way (``close`` reads it)."""
         store = self.store
         assert store is not None
         fresh, self.edge.charges = self.edge.charges, []
         replay = self.backlog.take()
-        pending = [(ask, False) for ask in replay] + [(ask, True) for ask in fresh]
-        while pending:
-            chunk, pending = pending[:REPLAY_CHUNK], pending[REPLAY_CHUNK:]
+        sending = sending if sending is not None else _Sending()
+        sending.pending = [(ask, False) for ask in replay] + [(ask, True) for ask in fresh]
+        while sending.pending:
+            chunk, sending.pending = sending.pending[:REPLAY_CHUNK], sending.pending[REPLAY_CHUNK:]
+            sending.in_flight = len(chunk)
             ops = [BucketOp(f"{ask.kind}:{ask.tenant}", ask.op, ask.rate.per_second, ask.rate.burst,
                             ask.amount) for ask, _ in chunk]
             try:
                 await store.buckets(ops)
             except StoreDown:
-                unsent = chunk + pending
+                unsent, sending.pending = chunk + sending.pending, []
                 # Failing open, a fresh charge goes to this replica's part of the budget, which it
                 # enforces meanwhile: accounted for, so not kept (replayed into the fleet's bucket,
                 # refilled by then, it would lock the tenant out as long again for usage it was
@@ -255,6 +262,8 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
                                  charges=len(chunk))
             except Exception:
                 self.log.warning("could not charge token usage", exc_info=True, charges=len(chunk))
+            finally:
+                sending.in_flight = 0
 
     def _keep(self, asks: list[Ask]) -> None:
         self.backlog.max_tenants = self.config().budgets.max_tenants
@@ -263,13 +272,25 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
             self.metrics.charges_dropped.inc(dropped)
 
     async def close(self, grace_s: float = 1.0) -> None:
-        """At shutdown: let the charges on their way reach the store, and send the backlog if it can."""
-        if self._flushing:
-            await asyncio.wait(set(self._flushing), timeout=grace_s)
+        """At shutdown: let the charges and arrivals' calls on their way reach the store, and send the
+        backlog if it can (each wait at most ``grace_s``). The last flush is shielded: cut short, its
+        store call would be lost with the charges it carries; past ``grace_s`` what it has not sent yet
+        goes back to the backlog, and is logged."""
+        pending = self._flushing | self._calls
+        if pending:
+            await asyncio.wait(pending, timeout=grace_s)
         if self.store is not None and (self.edge.charges or self.backlog):
-            with contextlib.suppress(TimeoutError):
+            sending = _Sending()
+            flush = asyncio.ensure_future(self._flush(sending))
+            flush.add_done_callback(_retrieve)
+            try:
                 async with asyncio.timeout(grace_s):
-                    await self._flush()
+                    await asyncio.shield(flush)
+            except TimeoutError:
+                unsent, sending.pending = sending.pending, []  # the flush stops after its call in flight
+                self._keep([ask for ask, _ in unsent])
+                self.log.warning("shutdown: token usage not sent to the shared store in time",
+                                 charges=len(unsent), in_doubt=sending.in_flight)
         if self.backlog:
             self.log.warning("token usage never sent to the shared store", tenants=len(self.backlog))
 
@@ -376,6 +397,17 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
         rejection = answer.rejection
         response.response_headers_to_add.extend(HeaderValue(key=k, value=v) for k, v in rejection.headers)
         response.raw_body = rejection.body
+
+
+class _Sending:
+    """One flush's charges left to send (each with whether it is fresh rather than from the
+    backlog), and how many are in the store call on its way."""
+
+    __slots__ = ("in_flight", "pending")
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[Ask, bool]] = []
+        self.in_flight = 0
 
 
 def _retrieve(call: asyncio.Future[Any]) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import pytest
+import structlog.testing
 from prometheus_client import CollectorRegistry
 
 from extproc.controller import Controller
@@ -428,3 +429,34 @@ async def test_a_large_backlog_is_replayed_in_chunks_and_what_was_not_sent_is_ke
     assert all(len(call) <= REPLAY_CHUNK for call in store.calls)
     assert sorted(key for key, _ in _charges(store)) == sorted(f"tokens:t{i}" for i in range(1000))
     assert not rig.service.backlog
+
+
+async def test_closing_past_its_grace_keeps_and_logs_what_was_not_sent_and_lets_the_call_finish() -> None:
+    rig = Rig(RateLimit.model_validate({"budgets": {"default": {"tokens": 100}, "max_tenants": 5000}}))
+    store = shared(rig, fail_open=False)
+    store.down = True
+    for i in range(2 * REPLAY_CHUNK + 50):
+        await rig.service.decide_shared(_usage(f"t{i}", 10))
+    await _settled(rig.service)
+    store.down, store.delay = False, 0.2
+    with structlog.testing.capture_logs() as logs:
+        await rig.service.close(grace_s=0.05)
+    # The chunk on its way was not cut short: it reaches the store; the rest is kept and logged.
+    assert len(rig.service.backlog) == REPLAY_CHUNK + 50
+    assert any(entry["event"].startswith("shutdown: token usage not sent")
+               and (entry["charges"], entry["in_doubt"]) == (REPLAY_CHUNK + 50, REPLAY_CHUNK)
+               for entry in logs), logs
+    await asyncio.sleep(0.3)
+    assert [len(call) for call in store.calls] == [REPLAY_CHUNK]
+
+
+async def test_closing_waits_for_an_arrivals_call_that_outlived_its_timeout() -> None:
+    rig = Rig(budgets(requests=6, per="minute"))
+    store = shared(rig)
+    rig.service.store_timeout = 0.01
+    store.delay = 0.1
+    await rig.service.decide_shared(request({"generic_key": "gpu_inference", "x-tenant-id": "t"}))
+    assert rig.sample("extproc_ratelimit_budget_timeouts_total") == 1
+    assert not store.calls  # still on its way, shielded
+    await rig.service.close(grace_s=1.0)
+    assert len(store.calls) == 1  # close waited for it
