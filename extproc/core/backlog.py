@@ -5,7 +5,8 @@ is kept here, merged per budget and tenant (one pending amount per ``(kind, tena
 latest rate), so a long outage costs one entry per tenant, not one per response. At most
 ``max_tenants`` entries are kept; past that the tenant charged least recently is dropped (and
 counted): its usage then never reaches the fleet, which forgives it, as a budget forgets a
-tenant it evicts. When the store answers again the whole backlog goes in one call.
+tenant it evicts. When the store answers again the backlog goes in chunks (``REPLAY_CHUNK``
+operations a call), one after another.
 
 Pure: no I/O, no clock.
 """

@@ -28,7 +28,6 @@ refusing every request that has a budget.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import random
 import secrets
@@ -64,6 +63,9 @@ from extproc.state import BucketOp, BudgetStore, LedgerUnavailable, StoreDown
 
 SERVICE = "envoy.service.ratelimit.v3.RateLimitService"
 _UINT32 = UNLIMITED
+#: The most budget operations in one store call when charging usage: a script runs alone on the
+#: store, and 200 bucket operations take a few milliseconds, well within its timeout (50 ms).
+REPLAY_CHUNK = 200
 __all__ = ["ANY_LANE", "SERVICE", "Check", "ControllerPressure", "LanePressure", "Pressure",
            "RateLimitService", "add_to_server"]
 
@@ -118,7 +120,10 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
         self.alone = False
         """Whether the last budget decision was taken without the store."""
         self._flushing: set[asyncio.Task[None]] = set()
-        #: Usage charges the store missed while it was unreachable, sent when it is back.
+        #: Arrivals' store calls still on their way (a timed-out one goes on, shielded): awaited at close.
+        self._calls: set[asyncio.Future[Any]] = set()
+        #: Usage charges the store missed while it was unreachable and no part of a budget took
+        #: (failing closed), sent when it is back.
         self.backlog = Backlog(config().budgets.max_tenants)
         self._redactor: Redactor | None = None
         self._log_key = log_key or secrets.token_bytes(32)
@@ -182,6 +187,8 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
         # fleet's buckets as well as this replica's part: stricter, never looser.
         call = asyncio.ensure_future(store.buckets(ops))
         call.add_done_callback(_retrieve)
+        self._calls.add(call)
+        call.add_done_callback(self._calls.discard)
         try:
             async with asyncio.timeout(self.store_timeout):
                 levels = await asyncio.shield(call)
@@ -209,37 +216,54 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
                      ask.tenant_limit) for ask in asks]
         return self.edge.settle(parts, now)
 
-    async def _flush(self) -> None:
-        """Send the queued usage charges and the backlog (one store call for all of them).
+    async def _flush(self, sending: _Sending | None = None) -> None:
+        """Send the queued usage charges and the backlog, in chunks of at most ``REPLAY_CHUNK``
+        operations, one store call after another.
 
-        Off the request's path, so bounded only by the store's own timeouts. While the store is
-        known to be away (``StoreDown``: nothing was sent) the charges go to the backlog, replayed
-        when it is back, and (failing open) to this replica's part of each budget, which it decides
-        on meanwhile. A call that failed on its way (a timeout, a lost answer) may have run: the
-        script is atomic, so either all of it was charged or none. Those charges are not replayed:
-        a replay could charge a response twice fleet-wide; at worst a tenant is forgiven one batch of
-        usage at the start of an outage. (The local part and the fleet's bucket are never decided
-        on together, so charging both is not charging twice.)"""
+        Off the request's path, so bounded only by the store's own timeouts. Chunked because one
+        script runs alone on the store: a whole outage's backlog in one call (thousands of tenants)
+        would outlast the store's timeout and hold every replica's decisions up meanwhile. While the
+        store is known to be away (``StoreDown``: nothing of that chunk was sent) the unsent charges
+        go, failing open, to this replica's part of each budget, which it decides on meanwhile (and
+        nowhere else: that part is how the outage's usage was enforced); failing closed, to the
+        backlog, replayed when the store is back. Backlog charges not sent go back to it. A call that
+        failed on its way (a timeout, a lost answer) may have run: the script is atomic, so either all
+        of its chunk was charged or none. Those charges are not replayed: a replay could charge a
+        response twice fleet-wide; at worst a tenant is forgiven one chunk of usage at the start of an
+        outage. (The local part and the
+        fleet's bucket are never decided on together, so charging both is not charging twice.)
+
+        ``sending`` shows what is left to send and what is on its way (``close`` reads it)."""
         store = self.store
         assert store is not None
         fresh, self.edge.charges = self.edge.charges, []
         replay = self.backlog.take()
-        asks = replay + fresh
-        if not asks:
-            return
-        ops = [BucketOp(f"{ask.kind}:{ask.tenant}", ask.op, ask.rate.per_second, ask.rate.burst, ask.amount)
-               for ask in asks]
-        try:
-            await store.buckets(ops)
-        except StoreDown:
-            self._keep(asks)
-            self._settle_alone(store, fresh, self.now())
-        except LedgerUnavailable:
-            self._settle_alone(store, fresh, self.now())
-            self.log.warning("token usage in doubt (the store may have charged it): not replayed",
-                             charges=len(asks))
-        except Exception:
-            self.log.warning("could not charge token usage", exc_info=True)
+        sending = sending if sending is not None else _Sending()
+        sending.pending = [(ask, False) for ask in replay] + [(ask, True) for ask in fresh]
+        while sending.pending:
+            chunk, sending.pending = sending.pending[:REPLAY_CHUNK], sending.pending[REPLAY_CHUNK:]
+            sending.in_flight = len(chunk)
+            ops = [BucketOp(f"{ask.kind}:{ask.tenant}", ask.op, ask.rate.per_second, ask.rate.burst,
+                            ask.amount) for ask, _ in chunk]
+            try:
+                await store.buckets(ops)
+            except StoreDown:
+                unsent, sending.pending = chunk + sending.pending, []
+                # Failing open, a fresh charge goes to this replica's part of the budget, which it
+                # enforces meanwhile: accounted for, so not kept (replayed into the fleet's bucket,
+                # refilled by then, it would lock the tenant out as long again for usage it was
+                # already held to). Failing closed it is accounted nowhere: kept for the fleet.
+                self._keep([ask for ask, new in unsent if not (new and store.fail_open)])
+                self._settle_alone(store, [ask for ask, new in unsent if new], self.now())
+                return
+            except LedgerUnavailable:
+                self._settle_alone(store, [ask for ask, new in chunk if new], self.now())
+                self.log.warning("token usage in doubt (the store may have charged it): not replayed",
+                                 charges=len(chunk))
+            except Exception:
+                self.log.warning("could not charge token usage", exc_info=True, charges=len(chunk))
+            finally:
+                sending.in_flight = 0
 
     def _keep(self, asks: list[Ask]) -> None:
         self.backlog.max_tenants = self.config().budgets.max_tenants
@@ -248,13 +272,25 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
             self.metrics.charges_dropped.inc(dropped)
 
     async def close(self, grace_s: float = 1.0) -> None:
-        """At shutdown: let the charges on their way reach the store, and send the backlog if it can."""
-        if self._flushing:
-            await asyncio.wait(set(self._flushing), timeout=grace_s)
+        """At shutdown: let the charges and arrivals' calls on their way reach the store, and send the
+        backlog if it can (each wait at most ``grace_s``). The last flush is shielded: cut short, its
+        store call would be lost with the charges it carries; past ``grace_s`` what it has not sent yet
+        goes back to the backlog, and is logged."""
+        pending = self._flushing | self._calls
+        if pending:
+            await asyncio.wait(pending, timeout=grace_s)
         if self.store is not None and (self.edge.charges or self.backlog):
-            with contextlib.suppress(TimeoutError):
+            sending = _Sending()
+            flush = asyncio.ensure_future(self._flush(sending))
+            flush.add_done_callback(_retrieve)
+            try:
                 async with asyncio.timeout(grace_s):
-                    await self._flush()
+                    await asyncio.shield(flush)
+            except TimeoutError:
+                unsent, sending.pending = sending.pending, []  # the flush stops after its call in flight
+                self._keep([ask for ask, _ in unsent])
+                self.log.warning("shutdown: token usage not sent to the shared store in time",
+                                 charges=len(unsent), in_doubt=sending.in_flight)
         if self.backlog:
             self.log.warning("token usage never sent to the shared store", tenants=len(self.backlog))
 
@@ -361,6 +397,17 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
         rejection = answer.rejection
         response.response_headers_to_add.extend(HeaderValue(key=k, value=v) for k, v in rejection.headers)
         response.raw_body = rejection.body
+
+
+class _Sending:
+    """One flush's charges left to send (each with whether it is fresh rather than from the
+    backlog), and how many are in the store call on its way."""
+
+    __slots__ = ("in_flight", "pending")
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[Ask, bool]] = []
+        self.in_flight = 0
 
 
 def _retrieve(call: asyncio.Future[Any]) -> None:

@@ -368,9 +368,14 @@ class RedisLedger:
                 _fail(batch, LedgerUnavailable("ledger closed"))
                 raise
             except (RedisError, OSError) as exc:
-                failure = self._unavailable(exc)
-                _fail(batch, failure if isinstance(failure, LedgerUnavailable)
-                      else LedgerUnavailable("ledger closed"))
+                self._fail_batch(batch, exc)
+                return
+            # An error reply that says the store serves nobody now (READONLY after a failover, OOM,
+            # BUSY…) is an outage, as it is for a call alone (``_io``): not one script's failure.
+            outage = next((result for result in results
+                           if isinstance(result, Exception) and _is_outage(result)), None)
+            if outage is not None:
+                self._fail_batch(batch, outage)
                 return
         self.healthy, self.failure = True, None
         for call, result in zip(batch, results, strict=True):
@@ -380,6 +385,12 @@ class RedisLedger:
                     call.future.set_exception(failure)
             elif not call.future.done():
                 call.future.set_result(result)
+
+    def _fail_batch(self, batch: list[_Call], exc: Exception) -> None:
+        """The batch's round trip met an outage (``_unavailable``): every call of it fails."""
+        failure = self._unavailable(exc)
+        _fail(batch, failure if isinstance(failure, LedgerUnavailable)
+              else LedgerUnavailable("ledger closed"))
 
     async def _pipeline(self, client: Redis, batch: list[_Call]) -> list[Any]:
         """Run the batch's scripts in one round trip; load them and run again those Redis lacked

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from extproc.core.budget import Budget, Rate, _Bucket
+from extproc.localstack import free_port
 from extproc.state import BucketOp, LedgerUnavailable, StoreScriptError
 from extproc.state.fallback import FailMode, FallbackLedger
 from extproc.state.redis import RedisLedger
@@ -301,3 +302,39 @@ async def test_on_the_stores_own_clock_the_lua_buckets_do_the_pure_budgets_arith
         else:  # full: no key
             budget._buckets.pop("clock", None)
         await asyncio.sleep(rng.choice([0.0, 0.0, 0.01, 0.05]))
+
+
+@pytest.mark.parametrize("refusal", ["readonly", "oom"])
+async def test_an_outage_reply_in_a_shared_pipeline_is_an_outage(
+        server: RedisServer, refusal: str) -> None:  # noqa: F811
+    """Calls that share a pipeline (every connection busy) get Redis's replies one by one; a reply
+    that says the store serves nobody (READONLY after a failover, OOM) fails the batch as an outage,
+    as it does a call alone, instead of counting as one script's error on a healthy store."""
+    primary = RedisLedger(server.url, prefix=f"t{uuid.uuid4().hex[:8]}", renew=False, timeout=1.0,
+                          pool_size=1)
+    failures: list[str] = []
+    primary.on_failure(failures.append)
+    await primary.start()
+    client = server.client()
+    try:
+        if refusal == "readonly":
+            client.execute_command("REPLICAOF", "127.0.0.1", str(free_port()))  # a primary never there
+        else:
+            client.config_set("maxmemory", "1")
+        op = BucketOp("requests:t", "take", 1.0, 5.0, 1.0)
+        async with primary._gate:  # every connection busy: the calls queue for one pipeline
+            calls = [asyncio.ensure_future(primary.buckets([op])) for _ in range(3)]
+            await asyncio.sleep(0)
+            assert len(primary._queue) == 3
+        answers = await asyncio.gather(*calls, return_exceptions=True)
+        assert all(isinstance(a, LedgerUnavailable) and not isinstance(a, StoreScriptError)
+                   for a in answers), answers
+        assert not primary.healthy
+        assert primary.script_errors == 0
+        assert failures
+    finally:
+        if refusal == "readonly":
+            client.execute_command("REPLICAOF", "NO", "ONE")
+        else:
+            client.config_set("maxmemory", "0")
+        await primary.close()

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import pytest
+import structlog.testing
 from prometheus_client import CollectorRegistry
 
 from extproc.controller import Controller
@@ -22,7 +23,7 @@ from extproc.core.queue import Entry, LaneQueue
 from extproc.core.retry_budget import RetryBudget
 from extproc.metrics import Metrics
 from extproc.policy.ratelimit import RateLimit
-from extproc.servers.ratelimit import RateLimitService
+from extproc.servers.ratelimit import REPLAY_CHUNK, RateLimitService
 from extproc.state import BucketOp, LedgerUnavailable, Level, StoreDown
 from extproc.state.fallback import FailMode, FallbackLedger
 from extproc.state.redis import RedisLedger
@@ -310,28 +311,33 @@ def _usage(tenant: str, tokens: int) -> Any:
 
 
 @pytest.mark.parametrize("fail_open", [True, False])
-async def test_usage_charged_while_the_store_is_away_reaches_the_fleet_when_back(fail_open: bool) -> None:
+async def test_usage_charged_while_the_store_is_away_is_accounted_once(fail_open: bool) -> None:
+    """Failing open, the outage's usage is charged to this replica's part, which it enforced
+    meanwhile, and not replayed (the fleet's bucket would lock the tenant out as long again);
+    failing closed nothing took it, so it is kept and reaches the fleet when the store is back."""
     rig = Rig(budgets(tokens=100, per="minute"))
     store = shared(rig, fail_open=fail_open)
     store.down = True
     for tokens in (150, 50):
         await rig.service.decide_shared(_usage("t", tokens))
         await _settled(rig.service)
-    assert len(rig.service.backlog) == 1  # merged per tenant
+    assert len(rig.service.backlog) == (0 if fail_open else 1)  # closed: merged per tenant
     assert len(rig.service.edge.tokens) == (1 if fail_open else 0)  # open: its part is charged meanwhile
     store.down = False
     arrival = request({"generic_key": "gpu_inference", "x-tenant-id": "t"})
     await rig.service.decide_shared(arrival)  # the store answers again: the backlog goes
     await _settled(rig.service)
-    assert _charges(store) == [("tokens:t", 200.0)]
+    assert _charges(store) == ([] if fail_open else [("tokens:t", 200.0)])
     assert not rig.service.backlog
-    assert (await rig.service.decide_shared(arrival)).overall_code == OVER  # in debt, fleet-wide
+    # Open: the tenant was held to its part during the outage, the fleet's bucket is its own again.
+    assert (await rig.service.decide_shared(arrival)).overall_code == (OK if fail_open else OVER)
 
 
 async def test_the_backlog_keeps_a_bounded_number_of_tenants_oldest_dropped_first() -> None:
     rig = Rig(RateLimit.model_validate({"budgets": {"default": {"tokens": 100}, "max_tenants": 2}}))
+    store = FakeStore(rig.clock, fail_open=False)  # failing open, the replica's part takes the usage
     rig.service = RateLimitService(rig.pressure, rig.metrics, lambda: rig.config, clock=rig.clock,
-                                   rng=random.Random(1), store=(store := FakeStore(rig.clock)))
+                                   rng=random.Random(1), store=store)
     store.down = True
     for tenant in ("a", "b", "c"):
         await rig.service.decide_shared(_usage(tenant, 10))
@@ -390,3 +396,67 @@ async def test_the_controller_charges_its_fair_queues_what_the_other_replicas_se
     controller.release(running[0])
     answered = {tenant: future.result().outcome for tenant, future in waiting.items() if future.done()}
     assert answered == {"acme": Outcome.ADMITTED}  # globex waits: the fleet served it elsewhere
+
+
+async def test_a_large_backlog_is_replayed_in_chunks_and_what_was_not_sent_is_kept() -> None:
+    """Thousands of tenants' usage missed in an outage: one script with all of them would hold the
+    store past its timeout (every replica waits meanwhile); chunks go one after another, and a
+    chunk the store refuses (down again) goes back to the backlog with the ones after it."""
+    rig = Rig(RateLimit.model_validate({"budgets": {"default": {"tokens": 100}, "max_tenants": 5000}}))
+    store = shared(rig, fail_open=False)
+    store.down = True
+    for i in range(1000):
+        await rig.service.decide_shared(_usage(f"t{i}", 10))
+    await _settled(rig.service)
+    assert len(rig.service.backlog) == 1000
+    store.down = False
+    sent = 0
+    real = store.buckets
+
+    async def down_after_two(ops: Sequence[BucketOp], now: float | None = None) -> list[Level]:
+        nonlocal sent
+        if sent == 2:
+            store.down = True
+        sent += 1
+        return await real(ops, now)
+
+    store.buckets = down_after_two  # type: ignore[method-assign]
+    await rig.service._flush()
+    assert [len(call) for call in store.calls] == [REPLAY_CHUNK, REPLAY_CHUNK]
+    assert len(rig.service.backlog) == 1000 - 2 * REPLAY_CHUNK  # the unsent chunks, kept
+    store.down = False
+    await rig.service._flush()
+    assert all(len(call) <= REPLAY_CHUNK for call in store.calls)
+    assert sorted(key for key, _ in _charges(store)) == sorted(f"tokens:t{i}" for i in range(1000))
+    assert not rig.service.backlog
+
+
+async def test_closing_past_its_grace_keeps_and_logs_what_was_not_sent_and_lets_the_call_finish() -> None:
+    rig = Rig(RateLimit.model_validate({"budgets": {"default": {"tokens": 100}, "max_tenants": 5000}}))
+    store = shared(rig, fail_open=False)
+    store.down = True
+    for i in range(2 * REPLAY_CHUNK + 50):
+        await rig.service.decide_shared(_usage(f"t{i}", 10))
+    await _settled(rig.service)
+    store.down, store.delay = False, 0.2
+    with structlog.testing.capture_logs() as logs:
+        await rig.service.close(grace_s=0.05)
+    # The chunk on its way was not cut short: it reaches the store; the rest is kept and logged.
+    assert len(rig.service.backlog) == REPLAY_CHUNK + 50
+    assert any(entry["event"].startswith("shutdown: token usage not sent")
+               and (entry["charges"], entry["in_doubt"]) == (REPLAY_CHUNK + 50, REPLAY_CHUNK)
+               for entry in logs), logs
+    await asyncio.sleep(0.3)
+    assert [len(call) for call in store.calls] == [REPLAY_CHUNK]
+
+
+async def test_closing_waits_for_an_arrivals_call_that_outlived_its_timeout() -> None:
+    rig = Rig(budgets(requests=6, per="minute"))
+    store = shared(rig)
+    rig.service.store_timeout = 0.01
+    store.delay = 0.1
+    await rig.service.decide_shared(request({"generic_key": "gpu_inference", "x-tenant-id": "t"}))
+    assert rig.sample("extproc_ratelimit_budget_timeouts_total") == 1
+    assert not store.calls  # still on its way, shielded
+    await rig.service.close(grace_s=1.0)
+    assert len(store.calls) == 1  # close waited for it
