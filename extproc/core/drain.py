@@ -166,8 +166,8 @@ class ReturnSchedule:
         self._sweep_at = -math.inf
         # lane -> (slot-seconds left for returns, as of when)
         self._work: dict[str, tuple[float, float]] = {}
-        # (lane, tenant) -> when the edge let a retry through for one of its bookings
-        self._passes: dict[tuple[str, str], deque[float]] = {}
+        # (lane, tenant) -> {a booking's due time: when the edge let a retry through for it}
+        self._passes: dict[tuple[str, str], dict[float, float]] = {}
 
     def __len__(self) -> int:
         return self._size
@@ -208,13 +208,12 @@ class ReturnSchedule:
             held[tenant] = after
         else:
             held.pop(tenant, None)
-        if before == 0 and after > 0:
-            self._held_weight[lane] = self._held_weight.get(lane, 0.0) + self._weight(tenant)
-        elif before > 0 and after <= 0:
-            self._held_weight[lane] = max(self._held_weight.get(lane, 0.0) - self._weight(tenant), 0.0)
         if not held:
             del self._held[lane]
             self._held_weight.pop(lane, None)
+        elif (before == 0) != (after <= 0):
+            # The holders changed (a first or a last booking): summed anew, never drifting.
+            self._held_weight[lane] = sum(self._weight(name) for name in held)
 
     def reweigh(self, weight: Callable[[str], float]) -> None:
         """Tenants' weights changed (a policy reload): the held weights are summed anew."""
@@ -237,33 +236,38 @@ class ReturnSchedule:
         booked = self._live(lane, tenant, now)
         if booked is None or booked[0][0] - self.EARLY > now:
             return None
-        _, first = booked.popleft()
+        due, first = booked.popleft()
         self._size -= 1
         self._count(lane, tenant, -1)
         if not booked:
             del self._booked[(lane, tenant)]
-        # The edge's pass for this booking is spent with it: the tenant's next due booking may pass.
-        passes = self._passes.get((lane, tenant))
-        if passes:
-            passes.popleft()
+        self._unpass(lane, tenant, due)  # its pass, if the edge gave one, is spent with it
         return first
 
+    def _unpass(self, lane: str, tenant: str, due: float) -> None:
+        passes = self._passes.get((lane, tenant))
+        if passes is not None:
+            passes.pop(due, None)
+            if not passes:
+                del self._passes[(lane, tenant)]
+
     def claimable(self, lane: str, tenant: str, now: float) -> bool:
-        """Whether :meth:`claim` would find a booking now that no retry was let through for in the
-        last ``PASS_HOLD`` s (the edge asks; when true, that booking's pass is taken)."""
+        """Whether :meth:`claim` would find a booking now that the edge has not let a retry through
+        for in the last ``PASS_HOLD`` s (the edge asks; when true, that booking's pass is taken)."""
         booked = self._live(lane, tenant, now)
         if booked is None:
             return False
-        due = sum(1 for when, _ in booked if when - self.EARLY <= now)
-        passes = self._passes.setdefault((lane, tenant), deque())
-        while passes and passes[0] + self.PASS_HOLD < now:
-            passes.popleft()
-        if due <= len(passes):
-            if not passes:
-                del self._passes[(lane, tenant)]
-            return False
-        passes.append(now)
-        return True
+        passes = self._passes.setdefault((lane, tenant), {})
+        for due, _ in booked:
+            if due - self.EARLY > now:
+                break
+            passed = passes.get(due)
+            if passed is None or passed + self.PASS_HOLD < now:
+                passes[due] = now
+                return True
+        if not passes:
+            del self._passes[(lane, tenant)]
+        return False
 
     def holds(self, lane: str, tenant: str, now: float) -> bool:
         """Whether :meth:`claim` would find a booking now (nothing is taken)."""
@@ -283,9 +287,10 @@ class ReturnSchedule:
         if booked is None:
             return None
         while booked and booked[0][0] + self.LATE < now:
-            booked.popleft()
+            due, _ = booked.popleft()
             self._size -= 1
             self._count(lane, tenant, -1)
+            self._unpass(lane, tenant, due)
         if not booked:
             del self._booked[(lane, tenant)]
             return None
@@ -294,8 +299,7 @@ class ReturnSchedule:
     def _sweep(self, now: float) -> None:
         for lane, tenant in list(self._booked):
             self._live(lane, tenant, now)
-        stale = [k for k, passes in self._passes.items() if not passes or passes[-1] + self.PASS_HOLD < now]
-        for key in stale:
+        for key in [key for key in self._passes if key not in self._booked]:
             del self._passes[key]
         self._sweep_at = now + self.LATE
 

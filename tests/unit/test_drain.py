@@ -255,6 +255,16 @@ def test_a_claim_gives_back_its_pass_so_the_next_due_booking_passes_the_edge() -
     assert schedule.claim("a", "acme", 10.2) == 4.0
 
 
+def test_a_claim_without_a_pass_never_frees_another_bookings_pass() -> None:
+    schedule = ReturnSchedule()
+    schedule.book("a", "acme", 10.0, 1.0, first=3.0, now=0)
+    schedule.book("a", "acme", 10.1, 1.0, first=4.0, now=0)
+    assert schedule.claimable("a", "acme", 10.2)  # retry A, at a full lane: passes for one booking
+    assert schedule.claim("a", "acme", 10.2) == 3.0  # retry B found room: claims without a pass
+    assert schedule.claim("a", "acme", 10.25) == 4.0  # A reaches ext_proc: the other booking
+    assert not schedule.claimable("a", "acme", 10.3)  # C: two bookings, both spent
+
+
 def test_the_held_weights_follow_bookings_and_reloads() -> None:
     weights = {"t": 3.0}
     schedule = ReturnSchedule(lambda name: weights.get(name, 1.0))

@@ -12,7 +12,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import pytest
-import structlog.testing
 from prometheus_client import CollectorRegistry
 
 from extproc.controller import Controller
@@ -439,8 +438,10 @@ async def test_closing_past_its_grace_keeps_and_logs_what_was_not_sent_and_lets_
         await rig.service.decide_shared(_usage(f"t{i}", 10))
     await _settled(rig.service)
     store.down, store.delay = False, 0.2
-    with structlog.testing.capture_logs() as logs:
-        await rig.service.close(grace_s=0.05)
+    # The service's own logger, recorded (capture_logs misses a logger cached by earlier tests).
+    logs: list[dict[str, Any]] = []
+    rig.service.log = _Recorder(logs)  # type: ignore[assignment]
+    await rig.service.close(grace_s=0.05)
     # The chunk on its way was not cut short: it reaches the store; the rest is kept and logged.
     assert len(rig.service.backlog) == REPLAY_CHUNK + 50
     assert any(entry["event"].startswith("shutdown: token usage not sent")
@@ -460,3 +461,15 @@ async def test_closing_waits_for_an_arrivals_call_that_outlived_its_timeout() ->
     assert not store.calls  # still on its way, shielded
     await rig.service.close(grace_s=1.0)
     assert len(store.calls) == 1  # close waited for it
+
+
+class _Recorder:
+    """Stands in for a structlog logger: every call is kept as its event and fields."""
+
+    def __init__(self, logs: list[dict[str, Any]]) -> None:
+        self._logs = logs
+
+    def __getattr__(self, level: str) -> Any:
+        def record(event: str, *args: object, **fields: Any) -> None:
+            self._logs.append({"event": event, "log_level": level, **fields})
+        return record
