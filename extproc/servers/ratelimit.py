@@ -89,6 +89,14 @@ def _entries(descriptor: Any) -> dict[str, str]:
     return {e.key.lower(): e.value for e in descriptor.entries}
 
 
+def _hits(request: pb.RateLimitRequest, descriptor: Any, default: int) -> int:
+    """What a descriptor stands for: its own hits_addend if set (0 included), else the request's,
+    else ``default``."""
+    if descriptor.HasField("hits_addend"):
+        return int(descriptor.hits_addend.value)
+    return int(request.hits_addend) or default
+
+
 class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
     """``ShouldRateLimit`` for Envoy's ratelimit filter.
 
@@ -161,9 +169,7 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
                 entries = _entries(descriptor)
                 if entries.get("generic_key") != config.request_descriptor:
                     continue
-                explicit = descriptor.HasField("hits_addend")
-                hits = descriptor.hits_addend.value if explicit else request.hits_addend
-                assessed.append((i, self.edge.assess(config, entries, hits if explicit or hits else 1, now)))
+                assessed.append((i, self.edge.assess(config, entries, _hits(request, descriptor, 1), now)))
             asks = [ask for _, assessment in assessed for ask in assessment.asks]
             verdicts = iter(await self._settle(asks, now) if asks else [])
             for i, assessment in assessed:
@@ -311,13 +317,11 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
             entries = _entries(descriptor)
             kind = entries.get("generic_key")
             status = response.statuses.add(code=pb.RateLimitResponse.OK)
-            explicit = descriptor.HasField("hits_addend")
-            hits = descriptor.hits_addend.value if explicit else request.hits_addend
             if kind == config.usage_descriptor:
-                self._usage(config, entries, hits if explicit or hits else 0, now)
+                self._usage(config, entries, _hits(request, descriptor, 0), now)
             elif kind == config.request_descriptor:
                 judgement = judged[i] if judged is not None and i in judged \
-                    else self.edge.judge(config, entries, hits if explicit or hits else 1, now)
+                    else self.edge.judge(config, entries, _hits(request, descriptor, 1), now)
                 self._count(judgement, entries)
                 if judgement.shadow:
                     if judgement.over:

@@ -48,7 +48,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from extproc.settings import Address
+from extproc.settings import Address, positive_float
 from extproc.sim.engine import Engine, Event, Finished, FirstToken, RequestRejected, capacity_schedule_arg
 from extproc.sim.profiles import PROFILES, Profile, get_profile
 
@@ -670,28 +670,18 @@ def _address(text: str) -> Address:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0 or math.isinf(value):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
-
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", choices=sorted(PROFILES), default="llama-8b-h100",
                         help="model/hardware timing profile (default %(default)s)")
     parser.add_argument("--listen", type=_address, default=Address("127.0.0.1", 8000), metavar="HOST:PORT",
                         help="listen address (default %(default)s)")
-    parser.add_argument("--time-scale", type=_positive, default=1.0, metavar="X",
+    parser.add_argument("--time-scale", type=positive_float, default=1.0, metavar="X",
                         help="multiply every engine cost by X: 0.1 runs ten times faster (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="seed for sampled output lengths (default 0)")
     parser.add_argument("--model-name", default=None,
                         help="model id to serve (default: the profile's model)")
-    parser.add_argument("--stream-interval", type=_positive, default=0.05, metavar="SECONDS",
+    parser.add_argument("--stream-interval", type=positive_float, default=0.05, metavar="SECONDS",
                         help="at most one SSE chunk per stream per interval, between first and last token")
     parser.add_argument("--capacity-schedule", type=capacity_schedule_arg, default=(), metavar="T:F[,T:F...]",
                         help="from T seconds (wall clock) after start, run the engine at fraction F "
