@@ -43,7 +43,7 @@ from extproc.core.decision import Outcome, Reason, Rejection, reject
 from extproc.core.intake import Head, Intake
 from extproc.core.redaction import Redactor
 from extproc.core.saturation import Effect
-from extproc.core.usage import FILTER_HEADER, NAMESPACE, admission_metadata, ask_for_usage, plan
+from extproc.core.usage import NAMESPACE, admission_metadata, ask_for_usage, plan
 
 #: Envoy must never time out a hold before extproc answers it: the override carries this margin.
 HOLD_MARGIN_S = 2.0
@@ -317,8 +317,8 @@ class _Request:
             headers.append(("x-extproc-shadow", would))
         head = self.head
         remove = self.remove
-        if head is not None and FILTER_HEADER in head.headers:
-            remove = [*remove, FILTER_HEADER]  # the proxy's word to extproc, not the backend's business
+        # (The proxy's own x-extproc-usage-filter never reaches the backend: the shipped routes drop
+        # it, so no request pays for removing it here.)
         usage = plan(self.p.controller.policy.ratelimit, t.tenant, head.path, head.headers,
                      self.body) if head is not None else None
         if usage is None or not usage.record:
