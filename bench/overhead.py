@@ -7,9 +7,13 @@ with its ports rewritten) and the same fast upstream (``bench/upstream.py``):
 * ``noop``         Envoy + ``bench/noop_extproc.py`` (CONTINUE to everything, reads the body like
                    extproc, sets ``x-extproc-lane`` so the admission gate passes it), the
                    ratelimit filter removed: the cost of any Python ext_proc server;
-* ``extproc_only`` Envoy + ``extproc serve``, the ratelimit filter removed (ext_proc only);
-* ``extproc_edge`` Envoy + ``extproc serve`` with the shipped config: ratelimit filter (the edge,
-                   extproc's rate limit service) then ext_proc;
+* ``extproc_only`` Envoy + ``extproc serve``, ext_proc only: no edge (the ratelimit filter removed,
+                   the edge not judged in ext_proc either);
+* ``extproc_edge_call``  the edge as a rate limit call of its own (``extproc envoy-config --edge
+                   call``: the ratelimit filter asks extproc's rate limit service, then ext_proc),
+                   the shipped config before the edge moved into the ext_proc headers phase;
+* ``extproc_edge`` Envoy + ``extproc serve`` with the shipped config: the edge judged in the
+                   ext_proc headers phase (``x-extproc-edge``), then ext_proc's decision;
 * ``extproc_edge_redis``  the same with ``--store redis://127.0.0.1:PORT/0`` (a ``redis-server``
                    this script starts on a free port, no persistence);
 * ``replicas_2``, ``replicas_3``  2 and 3 ``extproc serve`` replicas sharing that Redis behind one
@@ -87,12 +91,16 @@ BODY = json.dumps({
 }, separators=(",", ":"))
 
 #: Configurations, in the order they are reported.
-CONFIGS = ("envoy", "noop", "extproc_only", "extproc_edge", "extproc_edge_redis", "replicas_2", "replicas_3")
+CONFIGS = ("envoy", "noop", "extproc_only", "extproc_edge_call", "extproc_edge", "extproc_edge_redis",
+           "replicas_2", "replicas_3")
 DESCRIPTIONS = {
     "envoy": "Envoy -> upstream (no ext_proc, no ratelimit filter)",
     "noop": "Envoy + no-op Python ext_proc (body read), ratelimit filter removed",
-    "extproc_only": "Envoy + extproc serve, ext_proc only (ratelimit filter removed)",
-    "extproc_edge": "Envoy + extproc serve, shipped config (ratelimit filter + ext_proc), memory store",
+    "extproc_only": "Envoy + extproc serve, ext_proc only (no edge)",
+    "extproc_edge_call": "Envoy + extproc serve, the edge by a rate limit call (--edge call) + ext_proc, "
+                         "memory store",
+    "extproc_edge": "Envoy + extproc serve, shipped config (the edge in the ext_proc headers phase), "
+                    "memory store",
     "extproc_edge_redis": "as extproc_edge, with --store redis://",
     "replicas_2": "2 extproc replicas sharing Redis behind one Envoy (round robin)",
     "replicas_3": "3 extproc replicas sharing Redis behind one Envoy (round robin)",
@@ -367,7 +375,10 @@ def start_stacks(s: localstack.Stack, workdir: Path, params: Params,
                 tweak = without_ratelimit
             elif n > 1:
                 tweak = replicas(ports)
-        envoy_cfg = localstack.envoy_config(cfg.listen, cfg.envoy_admin, upstream_port, target, tweak=tweak)
+        # ext_proc only: the edge neither called nor judged in ext_proc (no x-extproc-edge either).
+        edge = "call" if key in ("extproc_only", "extproc_edge_call", "noop") else "inline"
+        envoy_cfg = localstack.envoy_config(cfg.listen, cfg.envoy_admin, upstream_port, target, tweak=tweak,
+                                            edge=edge)
         cfg.pids["envoy"] = s.envoy(envoy_cfg, name=f"envoy-{key}").popen.pid
         configs[key] = cfg
     return configs, redis_url or None

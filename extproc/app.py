@@ -113,6 +113,8 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
                                  permit_retry=controller.permit_retry, log_key=settings.log_key,
                                  store=budgets, store_timeout=settings.store_budget_timeout_s)
     add_ratelimit_service(ratelimit, server)
+    # A proxy that leaves the edge to ext_proc (x-extproc-edge) gets the same answers, in process.
+    processor.edge = ratelimit
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:

@@ -32,6 +32,24 @@ USAGE_FILTER = "extproc.usage"
 GATE_DENIAL = "rbac_access_denied_matched_policy[extproc-not-admitted]"
 #: Clusters that point at extproc: its ext_proc stream and its rate limit service (one port).
 EXTPROC_CLUSTERS = ("extproc", "extproc_ratelimit")
+#: The proxy's word that extproc judges the edge in the ext_proc headers phase (core/intake.py).
+EDGE_HEADER = "x-extproc-edge"
+#: Where the edge is judged: in the ext_proc headers phase (shipped), or in a rate limit call of its own.
+EDGE_MODES = ("inline", "call")
+#: The arrival descriptor the ratelimit filter sends with ``edge="call"``: what extproc needs to classify
+#: the request as ext_proc will (method, path, and each header the shipped policies trust, under its
+#: own name; skip_if_absent keeps the descriptor when one is missing). Add an entry for every header
+#: in your policy's trusted_headers.
+ARRIVAL_DESCRIPTOR: dict[str, Any] = {"actions": [
+    {"generic_key": {"descriptor_value": "gpu_inference"}},
+    {"request_headers": {"header_name": ":method", "descriptor_key": "method"}},
+    {"request_headers": {"header_name": ":path", "descriptor_key": "path"}},
+    {"request_headers": {"header_name": "x-extproc-client", "descriptor_key": "x-extproc-client",
+                         "skip_if_absent": True}},
+    # A retry (retry_budget.header) may hold a booked return: the edge lets it through.
+    {"request_headers": {"header_name": "x-stainless-retry-count",
+                         "descriptor_key": "x-stainless-retry-count", "skip_if_absent": True}},
+]}
 
 
 def _socket(address: Address) -> dict[str, Any]:
@@ -78,6 +96,31 @@ def _remove_gate(hcm: dict[str, Any]) -> None:
             del hcm["local_reply_config"]
 
 
+def _edge_by_call(hcm: dict[str, Any]) -> None:
+    """The edge as a rate limit call of its own: the arrival descriptor on every route that has the
+    ratelimit filter's settings, and no x-extproc-edge (extproc then judges no arrival itself)."""
+    seen: set[int] = set()
+    for vhost in hcm["route_config"]["virtual_hosts"]:
+        for route in vhost["routes"]:
+            settings = route.get("typed_per_filter_config", {}).get(RATELIMIT_FILTER)
+            if settings is None or "rate_limits" not in settings or id(settings) in seen:
+                continue  # (routes may share one settings object: the file's YAML anchors)
+            seen.add(id(settings))
+            settings["rate_limits"].insert(0, copy.deepcopy(ARRIVAL_DESCRIPTOR))
+        removed = vhost.get("request_headers_to_remove", [])
+        if EDGE_HEADER in removed:
+            removed.remove(EDGE_HEADER)
+    for http_filter in hcm["http_filters"]:
+        if http_filter["name"] == STRIP_FILTER:
+            mutations = http_filter["typed_config"]["mutations"]["request_mutations"]
+            mutations[:] = [m for m in mutations
+                            if m.get("append", {}).get("header", {}).get("key") != EDGE_HEADER]
+    for log in hcm.get("access_log", []):
+        fields = log.get("typed_config", {}).get("log_format", {}).get("json_format", {})
+        if "edge_shadow" in fields:
+            fields["edge_shadow"] = "%DYNAMIC_METADATA(envoy.filters.http.ratelimit:shadow)%"
+
+
 def render(
     listen: Address,
     admin: Address,
@@ -86,6 +129,7 @@ def render(
     *,
     base: Path = ENVOY_CONFIG,
     fail_open: bool = False,
+    edge: str = "inline",
     tweak: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """The shipped bootstrap with its addresses rewritten.
@@ -94,7 +138,11 @@ def render(
     filters, the admission gate, their per-route settings and clusters) and keeps the gateway's
     own work (the strip of client x-extproc-* headers, API keys): plain Envoy, a baseline.
     ``fail_open`` removes the admission gate: while extproc is down, requests pass unadmitted.
+    ``edge="call"`` has the ratelimit filter ask for the edge's judgement of each arrival (a unary
+    call of its own) instead of extproc judging it in the ext_proc headers phase.
     """
+    if edge not in EDGE_MODES:
+        raise ValueError(f"edge must be one of {EDGE_MODES}, not {edge!r}")
     config: dict[str, Any] = copy.deepcopy(yaml.safe_load(base.read_text()))
     config["admin"]["address"]["socket_address"] = _socket(admin)
     config["static_resources"]["listeners"][0]["address"]["socket_address"] = _socket(listen)
@@ -103,6 +151,8 @@ def render(
     hcm = _hcm(config)
     if fail_open or extproc is None:
         _remove_gate(hcm)
+    if edge == "call":
+        _edge_by_call(hcm)
     if extproc is None:
         _remove_filters(hcm, (EXT_PROC_FILTER, RATELIMIT_FILTER, USAGE_FILTER))
         config["static_resources"]["clusters"] = [

@@ -109,10 +109,13 @@ def _cmd_envoy_config(args: argparse.Namespace) -> int:
 
     extproc = None if args.no_extproc else args.extproc
     fail_open = args.fail == "open"
-    config = bootstrap.render(args.listen, args.admin, args.backend, extproc, fail_open=fail_open)
+    config = bootstrap.render(args.listen, args.admin, args.backend, extproc, fail_open=fail_open,
+                              edge=args.edge)
     target = "--no-extproc" if args.no_extproc else f"--extproc {args.extproc}"
     if fail_open and not args.no_extproc:
         target += " --fail open"
+    if args.edge != "inline" and not args.no_extproc:
+        target += f" --edge {args.edge}"
     command = (f"extproc envoy-config --listen {args.listen} --admin {args.admin} --backend {args.backend} "
                f"{target}")
     text = bootstrap.dump(config, header=f"# Generated from envoy/envoy.yaml (see the comments there) by:\n"
@@ -227,6 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="while extproc is down: closed (default) answers new requests 503 with "
                             "retry-after; open lets them through unadmitted. Running requests are never "
                             "cut either way")
+    envoy.add_argument("--edge", choices=["inline", "call"], default="inline",
+                       help="where the edge shed judges each arrival: inline (default) in the ext_proc "
+                            "headers phase, one gRPC call per request; call: in a rate limit call of its own "
+                            "from the ratelimit filter (the same answers, one call more per request)")
     envoy.add_argument("-o", "--output", help="write here instead of stdout")
     envoy.set_defaults(func=_cmd_envoy_config)
 

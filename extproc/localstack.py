@@ -47,11 +47,13 @@ def envoy_binary() -> str:
 
 
 def envoy_config(listen: int, admin: int, backend: int, extproc: int | None,
-                 *, tweak: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """The shipped Envoy config on local ports; ``extproc=None`` removes ext_proc."""
+                 *, tweak: Callable[[dict[str, Any]], None] | None = None, edge: str = "inline"
+                 ) -> dict[str, Any]:
+    """The shipped Envoy config on local ports; ``extproc=None`` removes ext_proc (``edge``:
+    ``bootstrap.render``'s)."""
     local = "127.0.0.1"
     return bootstrap.render(Address(local, listen), Address(local, admin), Address(local, backend),
-                            Address(local, extproc) if extproc is not None else None, tweak=tweak)
+                            Address(local, extproc) if extproc is not None else None, tweak=tweak, edge=edge)
 
 
 def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen[bytes] | None = None) -> None:

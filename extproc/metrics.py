@@ -302,8 +302,9 @@ class RateLimitMetrics:
             ["kind"], registry=registry,
         )
         self.errors = Counter(
-            "extproc_ratelimit_errors", "ShouldRateLimit calls that failed (Envoy then applies its failure "
-            "mode).", registry=registry,
+            "extproc_ratelimit_errors", "Edge judgements that failed: a ShouldRateLimit call (Envoy then "
+            "applies its failure mode) or one judged in ext_proc (the request goes on to its decision).",
+            registry=registry,
         )
         self.budget_alone = Counter(
             "extproc_ratelimit_budget_alone", "Tenant budget operations decided without the fleet's shared "

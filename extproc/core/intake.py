@@ -29,6 +29,12 @@ from extproc.core.usage import FILTER_HEADER
 from extproc.policy.schema import Policy
 
 _NO_BODY = BodyFacts()
+#: Set by the proxy (never by a client: its first filter strips every x-extproc-*) when its ratelimit
+#: filter sends no arrival descriptor: ext_proc then judges the arrival at the edge itself, in the
+#: headers phase, one gRPC call fewer per request (servers/extproc.py).
+EDGE_HEADER = "x-extproc-edge"
+#: The proxy's own word to ext_proc: read, never dropped as a client's (the routes drop them).
+PROXY_HEADERS = frozenset({FILTER_HEADER, EDGE_HEADER})
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +95,12 @@ class Intake:
         self._model_header = policy.estimation.model_header
         # Recognised whether or not the retry budget is on: a retry may claim its booked return.
         self._retry_header: str | None = policy.retry_budget.header
+        #: The headers an arrival descriptor carries (the policy's trusted ones and the retry header),
+        #: when the edge is judged in ext_proc: what the ratelimit filter's descriptor would list.
+        named = policy.trusted_headers
+        if self._retry_header:
+            named = (*named, self._retry_header)
+        self.edge_headers = tuple(dict.fromkeys(named))
 
     def trusted(self, name: str) -> bool:
         return name in self._trusted
@@ -98,7 +110,7 @@ class Intake:
         """The request headers (lower-case names; a repeated header's values joined with commas,
         its name in ``repeated``), and whether a body follows."""
         stripped = tuple(k for k in headers if k.startswith(HEADER_PREFIX) and k not in self._trusted
-                         and k != FILTER_HEADER)
+                         and k not in PROXY_HEADERS)
         if stripped:
             headers = {k: v for k, v in headers.items() if k not in stripped}
         twice = next((k for k in repeated if k in self._trusted), None)

@@ -24,7 +24,7 @@ import asyncio
 import secrets
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import structlog
@@ -32,6 +32,7 @@ from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from envoy.service.ratelimit.v3 import rls_pb2
 from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf.duration_pb2 import Duration
 
@@ -40,10 +41,13 @@ from extproc.core.admission import Decision, Ticket
 from extproc.core.body import BodyFacts
 from extproc.core.classify import Classification
 from extproc.core.decision import Outcome, Reason, Rejection, reject
-from extproc.core.intake import Head, Intake
+from extproc.core.intake import EDGE_HEADER, Head, Intake
 from extproc.core.redaction import Redactor
 from extproc.core.saturation import Effect
 from extproc.core.usage import NAMESPACE, admission_metadata, ask_for_usage, plan
+
+if TYPE_CHECKING:
+    from extproc.servers.ratelimit import RateLimitService
 
 #: Envoy must never time out a hold before extproc answers it: the override carries this margin.
 HOLD_MARGIN_S = 2.0
@@ -144,12 +148,67 @@ def _client_of(request: pb.ProcessingRequest) -> str | None:
     return host.rpartition(":")[0] if host.count(":") == 1 else host
 
 
-def _immediate(rejection: Rejection, reason: Reason) -> pb.ProcessingResponse:
+_NO_LIMITS: list[tuple[str, str]] = []
+
+
+def _immediate(rejection: Rejection, reason: Reason, limits: list[tuple[str, str]] = _NO_LIMITS
+               ) -> pb.ProcessingResponse:
+    """A refusal; ``limits``: the edge's x-ratelimit-* headers (the ratelimit filter, in front of ext_proc,
+    puts them on every response that passes it, ext_proc's own refusals included)."""
+    headers = [*rejection.headers, *limits] if limits else rejection.headers
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
         status=HttpStatus(code=rejection.status),
-        headers=pb.HeaderMutation(set_headers=[_header(k, v) for k, v in rejection.headers]),
+        headers=pb.HeaderMutation(set_headers=[_header(k, v) for k, v in headers]),
         body=rejection.body,
         details=f"extproc_{reason.value}",
+    ))
+
+
+#: on_headers' word that the edge is to judge the request first (Process awaits it, then after_edge).
+_JUDGE_EDGE = pb.ProcessingResponse()
+#: Seconds per rate limit unit, as Envoy's ratelimit filter reads them (UNKNOWN: no window).
+_WINDOWS = {rls_pb2.RateLimitResponse.RateLimit.SECOND: 1, rls_pb2.RateLimitResponse.RateLimit.MINUTE: 60,
+            rls_pb2.RateLimitResponse.RateLimit.HOUR: 3600, rls_pb2.RateLimitResponse.RateLimit.DAY: 86400}
+#: gRPC clients shed at the edge get RESOURCE_EXHAUSTED (the filter's rate_limited_as_resource_exhausted).
+_RESOURCE_EXHAUSTED = 8
+
+
+def _ratelimit_headers(answer: rls_pb2.RateLimitResponse) -> list[tuple[str, str]]:
+    """The x-ratelimit-limit / -remaining / -reset headers Envoy's ratelimit filter adds for an answer's
+    statuses (``enable_x_ratelimit_headers: DRAFT_VERSION_03``): the status with the fewest remaining,
+    then each windowed limit's quota policy."""
+    least = None
+    policy = ""
+    for status in answer.statuses:
+        if not status.HasField("current_limit"):
+            continue
+        if least is None or status.limit_remaining < least.limit_remaining:
+            least = status
+        limit = status.current_limit
+        window = _WINDOWS.get(limit.unit, 0)
+        if window:
+            policy += f", {limit.requests_per_unit};w={window}"
+            if limit.name:
+                policy += f';name="{limit.name}"'
+    if least is None:
+        return _NO_LIMITS
+    return [("x-ratelimit-limit", f"{least.current_limit.requests_per_unit}{policy}"),
+            ("x-ratelimit-remaining", str(least.limit_remaining)),
+            ("x-ratelimit-reset", str(least.duration_until_reset.seconds))]
+
+
+def _edge_shed(answer: rls_pb2.RateLimitResponse, limits: list[tuple[str, str]]) -> pb.ProcessingResponse:
+    """The edge's refusal as Envoy's ratelimit filter answers OVER_LIMIT: 429, x-envoy-ratelimited,
+    the service's headers and body, the x-ratelimit-* headers."""
+    added = ((h.key, h.raw_value.decode() if h.raw_value else h.value)
+             for h in answer.response_headers_to_add)
+    headers = [("x-envoy-ratelimited", "true"), *added, *limits]
+    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+        status=HttpStatus(code=429),
+        headers=pb.HeaderMutation(set_headers=[_header(k, v) for k, v in headers]),
+        body=answer.raw_body,
+        details="request_rate_limited",
+        grpc_status=pb.GrpcStatus(status=_RESOURCE_EXHAUSTED),
     ))
 
 
@@ -192,8 +251,9 @@ class _Request:
     """One HTTP request's life on one ext_proc stream."""
 
     # One of these is made per request: slots spare it an instance __dict__.
-    __slots__ = ("arrival", "body", "client", "cls", "head", "headers", "model", "outcome", "p", "raw_body",
-                 "reason", "remove", "request_id", "saturation", "shadow", "status", "ticket", "waiting_body")
+    __slots__ = ("arrival", "body", "client", "cls", "edge_shadow", "edge_shed", "head", "headers", "limits",
+                 "model", "outcome", "p", "raw_body", "reason", "remove", "request_id", "saturation",
+                 "shadow", "status", "ticket", "waiting_body")
 
     def __init__(self, processor: ExternalProcessor) -> None:
         self.p = processor
@@ -224,6 +284,13 @@ class _Request:
         #: The first body chunk of a stream that did not ask for its usage: rewritten to ask for it
         #: if the request is admitted (core/usage.py plan); the proxy strips that event again.
         self.raw_body: bytes | None = None
+        #: Judged at the edge here (the proxy's x-extproc-edge): the x-ratelimit-* headers its answer
+        #: gives the response, as Envoy's ratelimit filter renders them (empty: none).
+        self.limits: list[tuple[str, str]] = _NO_LIMITS
+        #: The edge shed it: the edge logged and counted it; no decision record of ext_proc's.
+        self.edge_shed = False
+        #: In the edge's shadow mode, what it would have done (for the access log), until sent.
+        self.edge_shadow: str | None = None
 
     def on_headers(self, message: pb.HttpHeaders, client: str | None) -> pb.ProcessingResponse | None:
         """The answer to the request headers, or None when the request is to be decided on them."""
@@ -239,6 +306,45 @@ class _Request:
         if head.repeated is not None:
             # Never a merged tenant or lane ("acme,globex"): the client must say it once.
             return self.refuse(Reason.BAD_REQUEST, f"Header {head.repeated!r} appears more than once.")
+        if self.p.edge is not None and head.headers.get(EDGE_HEADER) == "1":
+            return _JUDGE_EDGE
+        return self.proceed()
+
+    def edge_entries(self) -> dict[str, str]:
+        """What the ratelimit filter's arrival descriptor would carry besides method and path."""
+        head = self.head
+        assert head is not None
+        headers = head.headers
+        return {name: headers[name] for name in self.p.intake.edge_headers if name in headers}
+
+    def after_edge(self, answer: rls_pb2.RateLimitResponse | None) -> pb.ProcessingResponse | None:
+        """The edge's answer (None: off or failed, so the request goes on), as Envoy's ratelimit
+        filter would apply it: over the limit, its 429 now; else its x-ratelimit-* headers for the
+        response, and ext_proc's own decision."""
+        if answer is not None:
+            self.limits = _ratelimit_headers(answer)
+            if answer.overall_code == rls_pb2.RateLimitResponse.OVER_LIMIT:
+                self.edge_shed = True
+                return _edge_shed(answer, self.limits)
+            if answer.HasField("dynamic_metadata"):
+                shadow = answer.dynamic_metadata.fields.get("shadow")
+                if shadow is not None:
+                    self.edge_shadow = shadow.string_value
+        return self.proceed()
+
+    def with_edge_shadow(self, response: pb.ProcessingResponse) -> pb.ProcessingResponse:
+        """``response`` (a copy: answers may be shared) carrying the edge's shadow verdict, once."""
+        marked = pb.ProcessingResponse()
+        marked.CopyFrom(response)
+        marked.dynamic_metadata.update({NAMESPACE: {"edge_shadow": self.edge_shadow}})
+        self.edge_shadow = None
+        return marked
+
+    def proceed(self) -> pb.ProcessingResponse | None:
+        """After the headers (and the edge): read the body, or None to decide on the headers."""
+        head = self.head
+        assert head is not None
+        client = self.client
         if head.read_body:
             estimation = self.p.controller.policy.estimation
             if self.p.slow.too_many(client, estimation.max_slow_bodies, self.p.controller.now()):
@@ -256,11 +362,15 @@ class _Request:
         """An answer that ends the request before it is classified (bad request, slow body)."""
         self.outcome, self.reason = Outcome.REJECTED, reason
         self.p.controller.metrics.intake_rejections.labels(reason.value).inc()
-        return _immediate(reject(reason, None, retry_after, detail=detail), reason)
+        return _immediate(reject(reason, None, retry_after, detail=detail), reason, self.limits)
 
     def on_response_headers(self, message: pb.HttpHeaders) -> pb.ProcessingResponse:
         self.status = _status_of(message)
-        return _RESPONSE_HEADERS_PASSTHROUGH
+        if not self.limits:
+            return _RESPONSE_HEADERS_PASSTHROUGH
+        response = pb.ProcessingResponse()
+        _continue(response.response_headers.response, [], self.limits)
+        return response
 
     def on_body(self, message: pb.HttpBody) -> pb.ProcessingResponse | None:
         """The answer to a body chunk, or None when the request is to be decided on this one."""
@@ -354,7 +464,7 @@ class _Request:
                            signal=effect.signal if effect is not None else None,
                            rule=effect.shed_by if effect is not None else None,
                            retry_allowed=decision.retry_allowed)
-        return _immediate(rejection, reason)
+        return _immediate(rejection, reason, self.limits)
 
     def finish(self, *, aborted: bool) -> None:
         """Release the slot (exactly once) and write the request's one decision record."""
@@ -363,6 +473,8 @@ class _Request:
         service_ms: int | None = None
         if self.waiting_body:
             self.p.slow.leave(self.client, id(self))
+        if self.edge_shed:
+            return  # shed at the edge, before any decision of ext_proc's: the edge logged it
         status = self.status
         if ticket is not None:
             if ticket.admitted_at is not None and self.outcome is Outcome.ADMITTED:
@@ -443,6 +555,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         # A bound logger of our own (made after logging is configured): the module-level proxy
         # would resolve itself again on each of the one-per-request decision lines.
         self.log: structlog.typing.FilteringBoundLogger = log.bind()
+        #: The edge, judged here for a proxy that says so (x-extproc-edge) rather than in a rate limit
+        #: call of its own (app.py sets it; None: every arrival goes on to ext_proc's decision).
+        self.edge: RateLimitService | None = None
 
     def reconfigure(self) -> None:
         self.intake = Intake(self.controller.policy, self.controller.scheduler.estimator)
@@ -481,6 +596,12 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     response = _passthrough(kind)
                 elif kind == "request_headers":
                     response = request.on_headers(message.request_headers, _client_of(message))
+                    if response is _JUDGE_EDGE:
+                        assert self.edge is not None
+                        assert request.head is not None
+                        head = request.head
+                        response = request.after_edge(
+                            await self.edge.judge_inline(request.edge_entries(), head.method, head.path))
                     if request.waiting_body:
                         self.slow.enter(request.client, id(request), controller.now())
                 elif kind == "request_body":
@@ -497,7 +618,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     while True:
                         if decision.outcome is Outcome.QUEUED:
                             if not held:
-                                yield request.hold(decision)
+                                hold = request.hold(decision)
+                                yield hold if request.edge_shadow is None else request.with_edge_shadow(hold)
                                 held = True
                             decision = await controller.wait(decision.ticket)
                         if decision.outcome is Outcome.ADMITTED and controller.ledger is not None:
@@ -507,6 +629,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                                 continue
                         break
                     response = request.answer(decision, kind)
+                if request.edge_shadow is not None:
+                    response = request.with_edge_shadow(response)
                 yield response
             aborted = False
         except Exception:

@@ -158,6 +158,32 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
             self.log.exception("rate limit decision failed")
             raise
 
+    async def judge_inline(self, headers: Mapping[str, str], method: str, path: str
+                           ) -> pb.RateLimitResponse | None:
+        """The edge's answer to one arrival judged in ext_proc's headers phase (the proxy says so
+        with ``x-extproc-edge``: its ratelimit filter then sends no arrival descriptor): the very
+        ``decide`` the filter's call gets, for the descriptor that call would carry (``headers``:
+        the ones the policy reads). None: the edge is off, or failed (counted and logged as a call's
+        error); the request goes on to ext_proc's decision, as the filter fails open."""
+        try:
+            config = self.config()
+            if config.mode == "off":
+                return None
+            request = pb.RateLimitRequest(domain=config.domain)
+            add = request.descriptors.add().entries.add
+            add(key="generic_key", value=config.request_descriptor)
+            add(key="method", value=method)
+            add(key="path", value=path)
+            for key, value in headers.items():
+                add(key=key, value=value)
+            if self.store is not None:
+                return await self.decide_shared(request)
+            return self.decide(request)
+        except Exception:
+            self.metrics.errors.inc()
+            self.log.exception("rate limit decision failed (judged in ext_proc): the request goes on")
+            return None
+
     async def decide_shared(self, request: pb.RateLimitRequest) -> pb.RateLimitResponse:
         """``decide`` with the fleet's budgets: every arrival's budget operations in one store call."""
         config = self.config()

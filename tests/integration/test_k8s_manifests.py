@@ -933,12 +933,19 @@ def test_the_edge_shed_check_follows_the_policy(rendered: Rendered) -> None:
     assert problems(trusted_headers=["x-extproc-client"]) == []
     [domain] = problems(ratelimit={"domain": "gpu"})
     assert "domain 'extproc', but the policy's ratelimit.domain is 'gpu'" in domain
-    [request] = problems(ratelimit={"request_descriptor": "arrivals"})
-    assert "rate_limits[0]: generic_key ['gpu_inference']" in request
     [usage] = problems(ratelimit={"usage_descriptor": "tokens"})
-    assert "rate_limits[1]: generic_key ['gpu_inference_tokens']" in usage
-    [header] = problems(trusted_headers=["x-team"])
-    assert "x-team is not sent as 'x-team'" in header
+    assert "rate_limits[0]: generic_key ['gpu_inference_tokens']" in usage
+    # The edge is judged in ext_proc (x-extproc-edge): no arrival descriptor names the request
+    # descriptor or must list the trusted headers, so neither can part from the policy.
+    assert problems(ratelimit={"request_descriptor": "arrivals"}) == []
+    assert problems(trusted_headers=["x-team"]) == []
+    for overlay in ("gateway", "sidecar"):
+        patches = one(rendered[overlay], "EnvoyFilter")["spec"]["configPatches"]
+        [strip] = [patch["patch"]["value"] for patch in patches
+                   if patch["applyTo"] == "HTTP_FILTER" and patch["patch"]["value"]["name"] == STRIP]
+        set_by_proxy = [m["append"]["header"] for m in strip["typed_config"]["mutations"]["request_mutations"]
+                        if "append" in m]
+        assert {"key": "x-extproc-edge", "value": "1"} in set_by_proxy, overlay
 
 
 def test_health_routes_skip_both_filters_and_inference_routes_are_shed_and_never_time_out(
@@ -965,11 +972,12 @@ def test_health_routes_skip_both_filters_and_inference_routes_are_shed_and_never
     assert patched["extproc-health-bypass"]["match"] == {"path": "/health"}
     assert patched["extproc-health-bypass"]["typed_per_filter_config"] == health
     assert patched["default"] == {"typed_per_filter_config": shed,
-                                  "request_headers_to_remove": ["x-extproc-usage-filter"]}
+                                  "request_headers_to_remove": ["x-extproc-usage-filter", "x-extproc-edge"]}
     # The proxy's word to extproc never reaches a backend, on any route patched here.
     for overlay in ("gateway", "sidecar"):
         for name, value in route_patches(one(rendered[overlay], "EnvoyFilter")).items():
-            assert value["request_headers_to_remove"] == ["x-extproc-usage-filter"], (overlay, name)
+            assert value["request_headers_to_remove"] == ["x-extproc-usage-filter", "x-extproc-edge"], \
+                (overlay, name)
 
 
 def _static_cluster(name: str, port: int, *, http2: bool = False) -> Doc:

@@ -1,4 +1,6 @@
-"""The edge shed through a real Envoy: its ratelimit filter asks extproc's rate limit service.
+"""The edge shed through a real Envoy, both ways it can be judged: by extproc's rate limit service
+in a call of the ratelimit filter's own (``--edge call``), and by ext_proc in its headers phase
+(``inline``, shipped). Every test runs both ways and expects the same answers.
 
 Envoy runs the shipped config (ratelimit → ext_proc → router); extproc's rate limit
 service and ext_proc servicer share one real gRPC server and one real Controller in this
@@ -79,10 +81,18 @@ class Live:
     """The ``ratelimit`` policy the service reads on every call: a test may swap it."""
 
     config: RateLimit
+    #: Reading it fails (an edge that breaks).
+    broken: bool = False
+
+    def read(self) -> RateLimit:
+        if self.broken:
+            raise RuntimeError("the edge's policy cannot be read")
+        return self.config
 
 
 @dataclass
 class Edge:
+    mode: str
     url: str
     admin: str
     controller: Controller
@@ -112,8 +122,15 @@ async def until(predicate: Callable[[], bool], what: str, within_s: float = 10.0
 MakeEdge = Callable[..., Awaitable[Edge]]
 
 
+@pytest.fixture(params=["call", "inline"])
+def edge_mode(request: pytest.FixtureRequest) -> str:
+    mode: str = request.param
+    return mode
+
+
 @pytest.fixture
-async def make_edge(tmp_path: Path) -> AsyncIterator[MakeEdge]:
+async def make_edge(tmp_path: Path, edge_mode: str) -> AsyncIterator[MakeEdge]:
+    mode = edge_mode
     async with AsyncExitStack() as exits:
         async def make(config: RateLimit | None = None, *, rls: bool = True,
                        rls_port: int | None = None) -> Edge:
@@ -125,11 +142,15 @@ async def make_edge(tmp_path: Path) -> AsyncIterator[MakeEdge]:
             controller.start()
             exits.push_async_callback(controller.stop)
             server = grpc.aio.server()
-            ext_proc_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(controller), server)
+            processor = ExternalProcessor(controller)
+            ext_proc_grpc.add_ExternalProcessorServicer_to_server(processor, server)
             live = Live(config or RateLimit())
             if rls:
-                add_to_server(RateLimitService(ControllerPressure(controller), RateLimitMetrics(registry),
-                                               lambda: live.config, rng=random.Random(3)), server)
+                service = RateLimitService(ControllerPressure(controller), RateLimitMetrics(registry),
+                                           live.read, rng=random.Random(3))
+                add_to_server(service, server)
+                if mode == "inline":
+                    processor.edge = service
             grpc_port = server.add_insecure_port("127.0.0.1:0")
             await server.start()
             exits.push_async_callback(server.stop, None)
@@ -156,8 +177,8 @@ async def make_edge(tmp_path: Path) -> AsyncIterator[MakeEdge]:
             stack = Stack(tmp_path)
             exits.push_async_callback(asyncio.to_thread, stack.stop)
             await asyncio.to_thread(stack.envoy, envoy_config(listen, admin, upstream_port, grpc_port,
-                                                              tweak=point_rls_elsewhere))
-            return Edge(f"http://127.0.0.1:{listen}", f"http://127.0.0.1:{admin}", controller, registry,
+                                                              tweak=point_rls_elsewhere, edge=mode))
+            return Edge(mode, f"http://127.0.0.1:{listen}", f"http://127.0.0.1:{admin}", controller, registry,
                         upstream, stack, live)
 
         yield make
@@ -273,7 +294,10 @@ async def test_tokens_reported_at_stream_end_spend_the_tenant_token_budget(make_
 
 
 @pytest.mark.parametrize("down", ["unimplemented", "unreachable"])
-async def test_requests_pass_when_the_rate_limit_service_is_down(make_edge: MakeEdge, down: str) -> None:
+async def test_requests_pass_when_the_rate_limit_service_is_down(make_edge: MakeEdge, down: str,
+                                                                 edge_mode: str) -> None:
+    if edge_mode == "inline":
+        pytest.skip("no rate limit call to fail: see test_requests_pass_when_the_edge_fails_in_ext_proc")
     if down == "unimplemented":
         # An extproc that serves ext_proc but not the rate limit service answers UNIMPLEMENTED.
         edge = await make_edge(rls=False)
@@ -285,6 +309,21 @@ async def test_requests_pass_when_the_rate_limit_service_is_down(make_edge: Make
     # ext_proc still decided every request.
     assert all(r.json()["headers"]["x-extproc-lane"] == "interactive" for r in responses)
     assert edge.envoy_stat("cluster.inference_backend.ratelimit.failure_mode_allowed") == 3
+
+
+async def test_requests_pass_when_the_edge_fails_in_ext_proc(make_edge: MakeEdge, edge_mode: str) -> None:
+    # The edge judged in ext_proc fails as the rate limit call did: the request goes on to ext_proc's
+    # own decision, and the failure is counted and logged (here: the policy it reads raises).
+    edge = await make_edge(budgets(requests=1, per="hour"))
+    edge.live.broken = True
+    async with httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
+        responses = [await client.post("/v1/chat/completions", json=CHAT) for _ in range(3)]
+    assert [r.status_code for r in responses] == [200, 200, 200]
+    assert all(r.json()["headers"]["x-extproc-lane"] == "interactive" for r in responses)
+    assert all("x-ratelimit-limit" not in r.headers for r in responses)
+    assert edge.sample("extproc_ratelimit_errors_total") == 3
+    if edge_mode == "call":
+        assert edge.envoy_stat("cluster.inference_backend.ratelimit.failure_mode_allowed") == 3
 
 
 async def test_health_route_never_asks_the_rate_limit_service(make_edge: MakeEdge) -> None:
@@ -306,4 +345,7 @@ async def test_a_policy_change_applies_to_the_next_request(make_edge: MakeEdge) 
         edge.live.config = budgets(requests=1, per="hour")
         statuses = [(await client.post("/v1/chat/completions", json=CHAT)).status_code for _ in range(2)]
     assert statuses == [200, 429]
-    assert edge.envoy_stat("cluster.inference_backend.ratelimit.over_limit") == 1
+    assert edge.sample("extproc_ratelimit_decisions_total", lane="interactive", code="over_limit",
+                       reason="tenant_request_budget", shadow="false") == 1
+    if edge.mode == "call":
+        assert edge.envoy_stat("cluster.inference_backend.ratelimit.over_limit") == 1
