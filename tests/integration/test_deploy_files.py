@@ -125,8 +125,8 @@ def test_ratelimit_filter_agrees_with_the_policy_defaults() -> None:
     assert "http2_protocol_options" in str(clusters[cluster_name]["typed_extension_protocol_options"])
 
 
-def test_inference_route_sends_what_the_rate_limit_service_reads() -> None:
-    _, hcm = _shipped()
+def _descriptors(hcm: dict[str, Any]) -> dict[str, Any]:
+    """The inference routes' rate limit descriptors by generic_key (both routes carry the same)."""
     routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
     health = next(r for r in routes if r["match"].get("path") == "/health")
     assert health["typed_per_filter_config"]["envoy.filters.http.ratelimit"]["disabled"] is True
@@ -134,13 +134,39 @@ def test_inference_route_sends_what_the_rate_limit_service_reads() -> None:
     assert [r["name"] for r in inference] == ["inference-keyed", "inference"]
     edge = [r["typed_per_filter_config"]["envoy.filters.http.ratelimit"] for r in inference]
     assert edge[0] == edge[1]
-    rate_limits = edge[0]["rate_limits"]
     kinds = {}
-    for limit in rate_limits:
+    for limit in edge[0]["rate_limits"]:
         generic = next(a["generic_key"]["descriptor_value"] for a in limit["actions"] if "generic_key" in a)
         kinds[generic] = limit
+    return kinds
+
+
+def _proxy_says(hcm: dict[str, Any]) -> list[str]:
+    """The headers the strip filter sets after removing every client x-extproc-*."""
+    strip = next(f for f in hcm["http_filters"] if f["name"] == bootstrap.STRIP_FILTER)
+    mutations = strip["typed_config"]["mutations"]["request_mutations"]
+    assert mutations[0] == {"remove_on_match": {"key_matcher": {"prefix": "x-extproc-"}}}
+    return [m["append"]["header"]["key"] for m in mutations[1:]]
+
+
+def test_the_shipped_edge_is_judged_in_ext_proc_and_the_call_form_sends_what_the_service_reads() -> None:
+    _, hcm = _shipped()
     defaults = RateLimit()
+    # Shipped: no arrival descriptor; the proxy tells ext_proc to judge the edge itself, after the
+    # strip (no client can say it), and no backend ever sees that word.
+    assert set(_descriptors(hcm)) == {defaults.usage_descriptor}
+    assert bootstrap.EDGE_HEADER in _proxy_says(hcm)
+    assert bootstrap.EDGE_HEADER in hcm["route_config"]["virtual_hosts"][0]["request_headers_to_remove"]
+    ext_proc = next(f for f in hcm["http_filters"] if f["name"] == bootstrap.EXT_PROC_FILTER)
+    assert ext_proc["typed_config"]["mutation_rules"] == {"allow_envoy": True}  # x-envoy-ratelimited
+    # --edge call: the arrival descriptor back, the proxy's word gone.
+    local = Address("127.0.0.1", 1)
+    called = bootstrap.render(local, local, local, local, edge="call")
+    call_hcm = called["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    assert bootstrap.EDGE_HEADER not in _proxy_says(call_hcm)
+    kinds = _descriptors(call_hcm)
     assert set(kinds) == {defaults.request_descriptor, defaults.usage_descriptor}
+    assert kinds[defaults.usage_descriptor] == _descriptors(hcm)[defaults.usage_descriptor]
     arrival, usage = kinds[defaults.request_descriptor], kinds[defaults.usage_descriptor]
     sent = {a["request_headers"]["header_name"]: a["request_headers"] for a in arrival["actions"]
             if "request_headers" in a}
