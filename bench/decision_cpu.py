@@ -1,11 +1,13 @@
 """The Python work of one request, without gRPC: CPU µs of each part, for A/B comparisons of checkouts.
 
-One request as the shipped Envoy config sends it to ``extproc serve`` with the policy of
-``bench/overhead.py`` (``read_body: always``, limits that never bind): the rate limit call on
-arrival, the ext_proc stream (request headers, the body, response headers; each message arrives
-on a later pass of the event loop, as from gRPC), and the rate limit call with the usage
-descriptor when the response ends. The servicers are called directly, so what is measured is
-extproc's own code (and asyncio's), not gRPC's.
+One request as Envoy sends it to ``extproc serve`` with the policy of ``bench/overhead.py``
+(``read_body: always``, limits that never bind), both ways the edge can be judged: with
+``--edge call``, the rate limit call on arrival then the ext_proc stream (request headers, the body,
+response headers; each message arrives on a later pass of the event loop, as from gRPC); shipped,
+the ext_proc stream whose request headers carry ``x-extproc-edge`` (the edge judged in it). Then
+the rate limit call with the usage descriptor when a response ends (sent only for token budgets).
+The servicers are called directly, so what is measured is extproc's own code (and asyncio's), not
+gRPC's.
 
 Each checkout runs in its own process, alternately, ``--rounds`` times; the minimum over rounds of
 each part's process CPU time per request is reported (the least disturbed round: on a shared
@@ -75,6 +77,10 @@ async def measure(n: int) -> dict[str, float]:
     response = pb.ProcessingRequest()
     response.response_headers.headers.headers.add(key=":status", raw_value=b"200")
     messages = [headers, body, response]
+    inline_headers = pb.ProcessingRequest()
+    inline_headers.CopyFrom(headers)
+    inline_headers.request_headers.headers.headers.add(key="x-extproc-edge", raw_value=b"1")
+    inline = [inline_headers, body, response]
 
     policy = parse_policy(POLICY.format(read_body="always"))
     registry = CollectorRegistry()
@@ -86,24 +92,32 @@ async def measure(n: int) -> dict[str, float]:
     edge = RateLimitService(ControllerPressure(controller), edge_metrics, lambda: controller.policy.ratelimit)
     loop = asyncio.get_running_loop()
 
-    async def stream() -> AsyncIterator[Any]:
-        for message in messages:
+    async def stream(sent: list[Any]) -> AsyncIterator[Any]:
+        for message in sent:
             arrived = loop.create_future()
             loop.call_soon(arrived.set_result, None)
             await arrived
             yield message
 
     async def process() -> None:
-        async for _ in processor.Process(stream(), None):
+        async for _ in processor.Process(stream(messages), None):
             pass
+
+    async def process_inline() -> None:
+        async for _ in processor.Process(stream(inline), None):
+            pass
+
+    processor.edge = edge
 
     for _ in range(300):  # warm-up
         await edge.ShouldRateLimit(arrival, None)
         await process()
+        await process_inline()
         await edge.ShouldRateLimit(usage, None)
     parts: dict[str, float] = {}
     for name, call in (("rls arrival", lambda: edge.ShouldRateLimit(arrival, None)),
                        ("ext_proc stream", process),
+                       ("stream, edge inline", process_inline),
                        ("rls usage", lambda: edge.ShouldRateLimit(usage, None))):
         start = time.process_time()
         for _ in range(n):
@@ -135,7 +149,10 @@ def main() -> None:
     for checkout, results in runs.items():
         best = {k: min(r[k] for r in results) for k in results[0]}
         cells = "  ".join(f"{k} {v:6.1f}" for k, v in best.items())
-        print(f"  {checkout!s:32} {cells}  total {sum(best.values()):6.1f}")
+        call = sum(v for k, v in best.items() if k != "stream, edge inline")
+        inline = best.get("stream, edge inline")
+        print(f"  {checkout!s:32} {cells}  total --edge call {call:6.1f}"
+              + (f", inline {inline + best.get('rls usage', 0):6.1f}" if inline is not None else ""))
 
 
 if __name__ == "__main__":
