@@ -336,7 +336,8 @@ class _Request:
         """``response`` (a copy: answers may be shared) carrying the edge's shadow verdict, once."""
         marked = pb.ProcessingResponse()
         marked.CopyFrom(response)
-        marked.dynamic_metadata.update({NAMESPACE: {"edge_shadow": self.edge_shadow}})
+        # Beside what the answer records there already (the admission, for a token charge).
+        marked.dynamic_metadata.get_or_create_struct(NAMESPACE)["edge_shadow"] = self.edge_shadow
         self.edge_shadow = None
         return marked
 
@@ -618,8 +619,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     while True:
                         if decision.outcome is Outcome.QUEUED:
                             if not held:
-                                hold = request.hold(decision)
-                                yield hold if request.edge_shadow is None else request.with_edge_shadow(hold)
+                                # (Never the edge's shadow verdict on this one: Envoy reads nothing
+                                # but the timeout from it. The final answer carries it.)
+                                yield request.hold(decision)
                                 held = True
                             decision = await controller.wait(decision.ticket)
                         if decision.outcome is Outcome.ADMITTED and controller.ledger is not None:

@@ -3,8 +3,10 @@
 Hypothesis sends arbitrary sequences of ext_proc messages — phases missing, repeated, out of
 order; huge, repeated, malformed and non-UTF-8 headers; huge, truncated, compressed-looking or
 non-JSON bodies — over one to four concurrent streams, each ended by a half-close or an early
-cancel at a random point. Whatever comes: no exception escapes the servicer, every stream ends,
-and once all have ended nothing is left queued or in flight.
+cancel at a random point; the proxy's x-extproc-edge among the headers now and then (the edge then
+judged in the stream, with a tenant request budget that runs out). Whatever comes: no exception
+escapes the servicer, every stream ends, and once all have ended nothing is left queued or in
+flight.
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ from prometheus_client import CollectorRegistry
 
 from extproc.controller import Controller
 from extproc.localstack import free_port
-from extproc.metrics import Metrics
+from extproc.metrics import Metrics, RateLimitMetrics
 from extproc.policy import Policy
+from extproc.policy.ratelimit import RateLimit
 from extproc.servers.extproc import ExternalProcessor
+from extproc.servers.ratelimit import ControllerPressure, RateLimitService
 
 POLICY = Policy.model_validate({
     "lanes": [{"name": "a", "max_inflight": 2, "max_queued": 4, "deadline": "0.3s"},
@@ -60,6 +64,9 @@ class Server:
         self.controller = Controller(POLICY, self.metrics)
         self.controller.start()
         processor = ExternalProcessor(self.controller)
+        edge_config = RateLimit.model_validate({"budgets": {"default": {"requests": 20, "per": "second"}}})
+        processor.edge = RateLimitService(ControllerPressure(self.controller),
+                                          RateLimitMetrics(CollectorRegistry()), lambda: edge_config)
         original = processor.Process
 
         async def guarded(requests: Any, context: Any) -> Any:
@@ -112,12 +119,13 @@ def server() -> Iterator[Server]:
 header_names = st.one_of(
     st.sampled_from([":method", ":path", ":authority", "content-length", "content-type", "content-encoding",
                      "x-extproc-client", "x-extproc-lane", "X-Extproc-Client", "x-model", "x-request-id",
-                     "x-stainless-retry-count", ":status", "x_extproc_lane", ""]),
+                     "x-stainless-retry-count", ":status", "x_extproc_lane", "x-extproc-edge",
+                     "x-extproc-edge", ""]),
     st.text(min_size=1, max_size=40),
 )
 header_values = st.one_of(
     st.sampled_from([b"POST", b"GET", b"/v1/chat/completions", b"/b/x", b"//b/../a/%63", b"acme", b"-1",
-                     b"50", b"99999999999999999999", b"gzip", b"br", b"application/json", b""]),
+                     b"50", b"99999999999999999999", b"gzip", b"br", b"application/json", b"", b"1", b"1"]),
     st.binary(max_size=64),
     st.just(b"v" * 65_000),
     st.text(max_size=200).map(str.encode),

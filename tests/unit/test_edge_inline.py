@@ -1,0 +1,216 @@
+"""The edge judged in the ext_proc headers phase (x-extproc-edge), driven through the servicer without
+sockets: the answers Envoy's ratelimit filter would give, rendered by ext_proc."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ratelimit.v3 import rls_pb2 as rls
+from prometheus_client import CollectorRegistry
+
+from extproc.controller import Controller
+from extproc.metrics import Metrics, RateLimitMetrics
+from extproc.policy import Policy
+from extproc.policy.ratelimit import RateLimit
+from extproc.servers.extproc import _READ_BODY, ExternalProcessor, _edge_shed, _ratelimit_headers
+from extproc.servers.ratelimit import ControllerPressure, RateLimitService
+
+Limit = rls.RateLimitResponse.RateLimit
+BODY = b'{"model": "m", "max_tokens": 10, "stream": true, "messages": [{"role": "user", "content": "hi"}]}'
+
+
+def status(limit: int, remaining: int, unit: Any = Limit.UNKNOWN, name: str = "", reset: int = 0
+           ) -> rls.RateLimitResponse.DescriptorStatus:
+    out = rls.RateLimitResponse.DescriptorStatus(code=rls.RateLimitResponse.OK, limit_remaining=remaining)
+    out.current_limit.requests_per_unit = limit
+    out.current_limit.unit = unit
+    out.current_limit.name = name
+    out.duration_until_reset.seconds = reset
+    return out
+
+
+def test_ratelimit_headers_as_envoys_draft_03() -> None:
+    answer = rls.RateLimitResponse(statuses=[
+        status(4, 3),  # a lane's places: no unit, so no window in the quota policy
+        status(2, 1, Limit.MINUTE, "tenant_requests", 30),
+        status(100, 50, Limit.HOUR, "tenant_tokens", 1800),
+        rls.RateLimitResponse.DescriptorStatus(code=rls.RateLimitResponse.OK),  # no limit: skipped
+    ])
+    assert _ratelimit_headers(answer) == [
+        ("x-ratelimit-limit", '2, 2;w=60;name="tenant_requests", 100;w=3600;name="tenant_tokens"'),
+        ("x-ratelimit-remaining", "1"),
+        ("x-ratelimit-reset", "30"),
+    ]
+    assert _ratelimit_headers(rls.RateLimitResponse(statuses=[status(2, 2)])) == [
+        ("x-ratelimit-limit", "2"), ("x-ratelimit-remaining", "2"), ("x-ratelimit-reset", "0")]
+    assert _ratelimit_headers(rls.RateLimitResponse()) == []
+
+
+def test_edge_shed_is_the_filters_429() -> None:
+    answer = rls.RateLimitResponse(overall_code=rls.RateLimitResponse.OVER_LIMIT, raw_body=b'{"error": {}}')
+    answer.response_headers_to_add.add(key="retry-after", value="7")
+    answer.response_headers_to_add.add(key="content-type", value="application/json")
+    shed = _edge_shed(answer, [("x-ratelimit-remaining", "0")]).immediate_response
+    assert shed.status.code == 429
+    assert shed.details == "request_rate_limited"
+    assert shed.grpc_status.status == 8  # RESOURCE_EXHAUSTED, as rate_limited_as_resource_exhausted
+    assert shed.body == b'{"error": {}}'
+    headers = [(h.header.key, h.header.raw_value) for h in shed.headers.set_headers]
+    assert headers == [("x-envoy-ratelimited", b"true"), ("retry-after", b"7"),
+                       ("content-type", b"application/json"), ("x-ratelimit-remaining", b"0")]
+
+
+class Stack:
+    """A controller, its ext_proc servicer and its edge, answering streams of messages."""
+
+    def __init__(self, policy: Policy, edge: RateLimit) -> None:
+        self.registry = CollectorRegistry()
+        self.controller = Controller(policy, Metrics(self.registry))
+        self.processor = ExternalProcessor(self.controller)
+        self.config = edge
+        self.edge = RateLimitService(ControllerPressure(self.controller), RateLimitMetrics(self.registry),
+                                     lambda: self.config)
+        self.processor.edge = self.edge
+
+    async def stream(self, *, proxy_says: bool = True, tenant: str = "acme", with_body: bool = True
+                     ) -> list[pb.ProcessingResponse]:
+        head = pb.ProcessingRequest()
+        head.request_headers.end_of_stream = not with_body
+        for k, v in ((":method", "POST"), (":path", "/v1/chat/completions"),
+                     ("content-length", str(len(BODY))), ("x-extproc-client", tenant),
+                     ("x-extproc-usage-filter", "1"),
+                     *((("x-extproc-edge", "1"),) if proxy_says else ())):
+            head.request_headers.headers.headers.add(key=k, raw_value=v.encode())
+        body = pb.ProcessingRequest()
+        body.request_body.body = BODY
+        body.request_body.end_of_stream = True
+        response = pb.ProcessingRequest()
+        response.response_headers.headers.headers.add(key=":status", raw_value=b"200")
+        sent = [head, body, response] if with_body else [head, response]
+        answers: list[pb.ProcessingResponse] = []
+
+        async def messages() -> AsyncIterator[pb.ProcessingRequest]:
+            # Each message once the one before is answered, as Envoy sends them; none after a refusal.
+            for message in sent:
+                if answers and answers[-1].HasField("immediate_response"):
+                    return
+                yield message
+
+        async for answer in self.processor.Process(messages(), None):
+            answers.append(answer)
+        return answers
+
+    def sample(self, name: str, **labels: str) -> float:
+        return self.registry.get_sample_value(name, labels) or 0.0
+
+
+POLICY = Policy.model_validate({
+    "lanes": [{"name": "interactive", "max_inflight": 4, "max_queued": 4, "deadline": "10s"}],
+    "trusted_headers": ["x-extproc-client"],
+    "classification": {"default_lane": "interactive"},
+    "tenants": {"header": "x-extproc-client", "default": "anon"},
+    "estimation": {"read_body": "always"},
+    "ratelimit": {"budgets": {"default": {"tokens": 1000, "per": "minute"}}},
+})
+
+
+def headers_of(mutation: Any) -> dict[str, str]:
+    return {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
+
+
+async def test_the_proxys_word_has_ext_proc_judge_the_edge_and_answer_as_the_filter() -> None:
+    stack = Stack(POLICY, RateLimit.model_validate({"budgets": {"default": {"requests": 1, "per": "hour"}}}))
+    stack.controller.start()
+    try:
+        first = await stack.stream()
+        second = await stack.stream()
+        globex = await stack.stream(tenant="globex")
+        unjudged = await stack.stream(proxy_says=False)
+    finally:
+        await stack.controller.stop()
+    # Admitted: the body read and decided as ever, the proxy's words left for the route to drop;
+    # the response's headers carry the edge's x-ratelimit-* (the ratelimit filter's, before).
+    heads, decided, response = first
+    assert heads.mode_override.request_body_mode  # the body asked for
+    assert not heads.request_headers.response.header_mutation.remove_headers
+    assert headers_of(decided.request_body.response.header_mutation)["x-extproc-lane"] == "interactive"
+    assert headers_of(response.response_headers.response.header_mutation) == {
+        "x-ratelimit-limit": '1, 1;w=3600;name="tenant_requests"', "x-ratelimit-remaining": "0",
+        "x-ratelimit-reset": "3600"}
+    # The budget spent: the edge's 429 at once, before any body, and no ticket taken.
+    [shed] = second
+    refusal = shed.immediate_response
+    assert refusal.status.code == 429
+    sent = headers_of(refusal.headers)
+    assert sent["x-envoy-ratelimited"] == "true"
+    assert sent["x-extproc-reason"] == "tenant_request_budget"
+    assert sent["x-ratelimit-remaining"] == "0"
+    assert int(sent["retry-after"]) >= 1
+    assert len(globex) == 3  # another tenant's budget
+    # Without the proxy's word nothing is judged here (a proxy whose ratelimit filter calls).
+    assert len(unjudged) == 3
+    assert not unjudged[2].response_headers.response.header_mutation.set_headers
+    assert stack.sample("extproc_ratelimit_decisions_total", lane="interactive", code="ok", reason="none",
+                        shadow="false") == 2
+    assert stack.sample("extproc_ratelimit_decisions_total", lane="interactive", code="over_limit",
+                        reason="tenant_request_budget", shadow="false") == 1
+    assert stack.controller.scheduler.total_inflight == 0
+
+
+async def test_shadow_verdict_joins_the_admission_record() -> None:
+    # Shadow mode: the would-be shed goes on, its verdict in the "extproc" metadata beside what a
+    # token charge needs (a request decided on its headers: both on one answer, neither lost).
+    stack = Stack(POLICY, RateLimit.model_validate({"mode": "shadow", "budgets": {
+        "default": {"requests": 1, "per": "hour", "tokens": 1000}}}))
+    stack.controller.start()
+    try:
+        first = await stack.stream(with_body=False)
+        second = await stack.stream(with_body=False)
+        read = await stack.stream()
+    finally:
+        await stack.controller.stop()
+    assert "edge_shadow" not in first[0].dynamic_metadata["extproc"]
+    record = second[0].dynamic_metadata["extproc"]
+    assert record["edge_shadow"] == "tenant_request_budget"
+    assert "admitted_ms" in record
+    assert headers_of(second[0].request_headers.response.header_mutation)["x-extproc-lane"] == "interactive"
+    # With a body to read, the verdict rides on the first answer (a shared one, copied), once.
+    marked = [a.dynamic_metadata["extproc"]["edge_shadow"] for a in read
+              if "extproc" in a.dynamic_metadata.fields and "edge_shadow" in a.dynamic_metadata["extproc"]]
+    assert marked == ["tenant_request_budget"]
+    assert "edge_shadow" in read[0].dynamic_metadata["extproc"]
+    assert not _READ_BODY.HasField("dynamic_metadata")  # the shared answer itself is never marked
+
+
+async def test_a_failing_edge_lets_the_request_on() -> None:
+    stack = Stack(POLICY, RateLimit())
+
+    def broken() -> RateLimit:
+        raise RuntimeError("no policy")
+
+    stack.edge.config = broken
+    stack.controller.start()
+    try:
+        answers = await stack.stream()
+    finally:
+        await stack.controller.stop()
+    assert len(answers) == 3
+    assert headers_of(answers[1].request_body.response.header_mutation)["x-extproc-lane"] == "interactive"
+    assert stack.sample("extproc_ratelimit_errors_total") == 1
+
+
+@pytest.mark.parametrize("mode", ["off"])
+async def test_an_edge_that_is_off_judges_nothing(mode: str) -> None:
+    stack = Stack(POLICY, RateLimit.model_validate({"mode": mode}))
+    stack.controller.start()
+    try:
+        answers = await stack.stream()
+    finally:
+        await stack.controller.stop()
+    assert len(answers) == 3
+    assert not answers[2].response_headers.response.header_mutation.set_headers
+    assert stack.sample("extproc_ratelimit_decisions_total", lane="interactive", code="ok", reason="none",
+                        shadow="false") == 0
