@@ -43,26 +43,31 @@ BENCH = Path(__file__).resolve().parent
 
 
 def start(s: localstack.Stack, workdir: Path, variants: list[tuple[str, Path]], noop: bool,
-          policy_text: str) -> list[overhead.Config]:
+          policy_text: str, redis: bool = False) -> list[overhead.Config]:
     upstream = localstack.free_port()
     up = s.start("upstream", [sys.executable, str(BENCH / "upstream.py"), str(upstream)])
     localstack.wait_http(f"http://127.0.0.1:{upstream}/health", proc=up.popen)
     policy = workdir / "policy.yaml"
     policy.write_text(policy_text)
     configs: list[overhead.Config] = []
+    store: list[str] = []
+    if redis:  # every variant on one redis-server of its own, each under its own prefix
+        url, _ = overhead.start_redis(s, workdir)
+        store = ["--store", url]
     if noop:
         port = localstack.free_port()
         proc = s.start("noop", [sys.executable, str(BENCH / "noop_extproc.py"), str(port), "--body", "auto"])
         overhead._wait_tcp_started(proc, port)
-        configs.append(overhead.Config("noop", "no-op ext_proc", localstack.free_port(),
+        configs.append(overhead.Config("noop", localstack.free_port(), localstack.free_port(),
                                        {"ext_proc": proc.popen.pid}))
     for name, path in variants:
         grpc, http = localstack.free_port(), localstack.free_port()
         # NAME=CHECKOUT[:MORE]: more entries (a sitecustomize probe, say) may follow the checkout.
         env = {"PYTHONPATH": ":".join(str(Path(p).resolve()) for p in str(path).split(":"))}
-        proc = s.extproc(policy, grpc, http, "--log-level", "info", name=f"extproc-{name}", env=env)
-        cfg = overhead.Config(name, f"extproc serve from {path}", localstack.free_port(),
-                              {"ext_proc": proc.popen.pid}, metrics_url=f"http://127.0.0.1:{http}/metrics")
+        on = [*store, "--store-prefix", f"profile-{name}"] if store else []
+        proc = s.extproc(policy, grpc, http, "--log-level", "info", *on, name=f"extproc-{name}", env=env)
+        cfg = overhead.Config(name, localstack.free_port(), localstack.free_port(),
+                              {"ext_proc": proc.popen.pid}, metrics_urls=[f"http://127.0.0.1:{http}/metrics"])
         cfg.pids["grpc_port"] = grpc  # not a pid: popped below
         configs.append(cfg)
     for cfg in configs:
@@ -71,7 +76,7 @@ def start(s: localstack.Stack, workdir: Path, variants: list[tuple[str, Path]], 
             port = int(Path(f"/proc/{cfg.pids['ext_proc']}/cmdline").read_text().split("\0")[2])
         # The no-op sets no admission metadata: its Envoy runs without the admission gate.
         local = "127.0.0.1"
-        envoy_cfg = bootstrap.render(Address(local, cfg.listen), Address(local, localstack.free_port()),
+        envoy_cfg = bootstrap.render(Address(local, cfg.listen), Address(local, cfg.envoy_admin),
                                      Address(local, upstream), Address(local, port),
                                      fail_open=cfg.key == "noop")
         cfg.pids["envoy"] = s.envoy(envoy_cfg, name=f"envoy-{cfg.key}").popen.pid
@@ -172,7 +177,7 @@ def parallel(configs: list[overhead.Config], script: Path, seconds: int, connect
 
 def _requests(cfg: overhead.Config) -> float:
     """Requests the process answered so far: extproc's decisions, or the upstream's count for the no-op."""
-    return sum(overhead.extproc_decisions(cfg).values()) if cfg.metrics_url else 0.0
+    return sum(sum(d.values()) for d in overhead.extproc_decisions(cfg)) if cfg.metrics_urls else 0.0
 
 
 def main() -> None:
@@ -195,6 +200,8 @@ def main() -> None:
     parser.add_argument("--strace", type=int, default=0, help="seconds of strace -c per configuration")
     parser.add_argument("--native", action="store_true", help="py-spy --native: C frames too (gRPC's core)")
     parser.add_argument("--keep", action="store_true", help="keep the process logs (printed path)")
+    parser.add_argument("--redis", action="store_true",
+                        help="extproc on a redis-server this script starts (--store redis://…)")
     args = parser.parse_args()
     variants = [(v.split("=", 1)[0], Path(v.split("=", 1)[1])) for v in args.variant] or [("this", ROOT)]
     workdir = Path(tempfile.mkdtemp(prefix="extproc-profile-"))
@@ -205,7 +212,8 @@ def main() -> None:
     results: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
     try:
         with localstack.stack(workdir) as s:
-            configs = start(s, workdir, variants, args.noop, overhead.POLICY.format(read_body=args.read_body))
+            configs = start(s, workdir, variants, args.noop, overhead.POLICY.format(read_body=args.read_body),
+                            redis=args.redis)
             for cfg in configs:
                 print(f"{cfg.key}: {cfg.url} {cfg.pids}", flush=True)
                 overhead.check_path(cfg)
