@@ -8,7 +8,9 @@ admission gate lets only requests carrying that header through, and extproc sets
 admission), a request body gets CONTINUE, trailers get an empty trailers answer. With
 ``--body auto`` (the default) a request that has a body is asked for it with the same
 ``mode_override`` extproc uses, so the no-op pays the same extra gRPC round as a body-reading
-policy; ``--body never`` compares with a headers-only policy.
+policy; ``--body never`` compares with a headers-only policy. ``--response-headers`` asks for the
+response headers too (as extproc does, for their status and the edge's x-ratelimit-* headers) and
+answers them with CONTINUE: the cost of that one message more.
 """
 
 from __future__ import annotations
@@ -50,9 +52,20 @@ _ADMIT = pb.CommonResponse(
 )
 
 
+#: The same two modes, with the response headers asked for.
+BODY_MODE_RESPONSE = ProcessingMode()
+BODY_MODE_RESPONSE.CopyFrom(BODY_MODE)
+BODY_MODE_RESPONSE.response_header_mode = ProcessingMode.SEND
+NO_BODY_MODE_RESPONSE = ProcessingMode()
+NO_BODY_MODE_RESPONSE.CopyFrom(NO_BODY_MODE)
+NO_BODY_MODE_RESPONSE.response_header_mode = ProcessingMode.SEND
+
+
 class NoopProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    def __init__(self, read_body: bool) -> None:
+    def __init__(self, read_body: bool, response_headers: bool = False) -> None:
         self.read_body = read_body
+        self.body_mode = BODY_MODE_RESPONSE if response_headers else BODY_MODE
+        self.no_body_mode = NO_BODY_MODE_RESPONSE if response_headers else NO_BODY_MODE
 
     async def Process(
         self,
@@ -64,11 +77,13 @@ class NoopProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             if kind == "request_headers":
                 headers = pb.HeadersResponse(response=_ADMIT)
                 if self.read_body and not message.request_headers.end_of_stream:
-                    yield pb.ProcessingResponse(request_headers=headers, mode_override=BODY_MODE)
+                    yield pb.ProcessingResponse(request_headers=headers, mode_override=self.body_mode)
                 else:
-                    yield pb.ProcessingResponse(request_headers=headers, mode_override=NO_BODY_MODE)
+                    yield pb.ProcessingResponse(request_headers=headers, mode_override=self.no_body_mode)
             elif kind == "request_body":
                 yield pb.ProcessingResponse(request_body=pb.BodyResponse(response=_CONTINUE))
+            elif kind == "response_headers":
+                yield pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=_CONTINUE))
             elif kind in ("request_trailers", "response_trailers"):
                 response = pb.ProcessingResponse()
                 # An empty ProcessingResponse is "spurious" to Envoy (503): mark the field set.
@@ -81,9 +96,9 @@ class NoopProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 yield response
 
 
-async def serve(port: int, read_body: bool) -> None:
+async def serve(port: int, read_body: bool, response_headers: bool = False) -> None:
     server = grpc.aio.server()
-    pb_grpc.add_ExternalProcessorServicer_to_server(NoopProcessor(read_body), server)
+    pb_grpc.add_ExternalProcessorServicer_to_server(NoopProcessor(read_body, response_headers), server)
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     stop = asyncio.Event()
@@ -99,8 +114,10 @@ def main() -> None:
     parser.add_argument("port", type=int)
     parser.add_argument("--body", choices=["auto", "never"], default="auto",
                         help="auto: read request bodies via mode_override like a body-reading policy")
+    parser.add_argument("--response-headers", action="store_true",
+                        help="ask for the response headers too (one message more per request, as extproc)")
     args = parser.parse_args()
-    asyncio.run(serve(args.port, args.body == "auto"))
+    asyncio.run(serve(args.port, args.body == "auto", args.response_headers))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,9 @@ with its ports rewritten) and the same fast upstream (``bench/upstream.py``):
 * ``noop``         Envoy + ``bench/noop_extproc.py`` (CONTINUE to everything, reads the body like
                    extproc, sets ``x-extproc-lane`` so the admission gate passes it), the
                    ratelimit filter removed: the cost of any Python ext_proc server;
+* ``noop_response`` the no-op asking for the response headers too (``--response-headers``): the
+                   message per request extproc asks for beyond the no-op's (their status says which
+                   service times to learn from; they carry the edge's x-ratelimit-* headers);
 * ``extproc_only`` Envoy + ``extproc serve``, ext_proc only: no edge (the ratelimit filter removed,
                    the edge not judged in ext_proc either);
 * ``extproc_edge_call``  the edge as a rate limit call of its own (``extproc envoy-config --edge
@@ -91,11 +94,12 @@ BODY = json.dumps({
 }, separators=(",", ":"))
 
 #: Configurations, in the order they are reported.
-CONFIGS = ("envoy", "noop", "extproc_only", "extproc_edge_call", "extproc_edge", "extproc_edge_redis",
-           "replicas_2", "replicas_3")
+CONFIGS = ("envoy", "noop", "noop_response", "extproc_only", "extproc_edge_call", "extproc_edge",
+           "extproc_edge_redis", "replicas_2", "replicas_3")
 DESCRIPTIONS = {
     "envoy": "Envoy -> upstream (no ext_proc, no ratelimit filter)",
     "noop": "Envoy + no-op Python ext_proc (body read), ratelimit filter removed",
+    "noop_response": "as noop, asking for the response headers too (one message more per request)",
     "extproc_only": "Envoy + extproc serve, ext_proc only (no edge)",
     "extproc_edge_call": "Envoy + extproc serve, the edge by a rate limit call (--edge call) + ext_proc, "
                          "memory store",
@@ -349,10 +353,11 @@ def start_stacks(s: localstack.Stack, workdir: Path, params: Params,
         cfg.pids["upstream"] = up.popen.pid
         tweak: Callable[[dict[str, Any]], None] | None = None
         target: int | None = None
-        if key == "noop":
+        if key in ("noop", "noop_response"):
             target = localstack.free_port()
-            noop = s.start("noop", [sys.executable, str(BENCH / "noop_extproc.py"), str(target),
-                                    "--body", "auto"], env=ENV)
+            flags = ["--body", "auto", *(["--response-headers"] if key == "noop_response" else [])]
+            script = str(BENCH / "noop_extproc.py")
+            noop = s.start(key, [sys.executable, script, str(target), *flags], env=ENV)
             _wait_tcp_started(noop, target)
             cfg.pids["noop"] = noop.popen.pid
             tweak = without_ratelimit
@@ -376,7 +381,7 @@ def start_stacks(s: localstack.Stack, workdir: Path, params: Params,
             elif n > 1:
                 tweak = replicas(ports)
         # ext_proc only: the edge neither called nor judged in ext_proc (no x-extproc-edge either).
-        edge = "call" if key in ("extproc_only", "extproc_edge_call", "noop") else "inline"
+        edge = "call" if key in ("extproc_only", "extproc_edge_call", "noop", "noop_response") else "inline"
         envoy_cfg = localstack.envoy_config(cfg.listen, cfg.envoy_admin, upstream_port, target, tweak=tweak,
                                             edge=edge)
         cfg.pids["envoy"] = s.envoy(envoy_cfg, name=f"envoy-{key}").popen.pid
