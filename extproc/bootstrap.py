@@ -98,7 +98,8 @@ def _remove_gate(hcm: dict[str, Any]) -> None:
 
 def _edge_by_call(hcm: dict[str, Any]) -> None:
     """The edge as a rate limit call of its own: the arrival descriptor on every route that has the
-    ratelimit filter's settings, and no x-extproc-edge (extproc then judges no arrival itself)."""
+    ratelimit filter's settings, and no x-extproc-edge (extproc then judges no arrival itself; the
+    routes still drop the proxy's headers, and the x-extproc-edge-judged the call adds)."""
     seen: set[int] = set()
     for vhost in hcm["route_config"]["virtual_hosts"]:
         for route in vhost["routes"]:
@@ -107,9 +108,6 @@ def _edge_by_call(hcm: dict[str, Any]) -> None:
                 continue  # (routes may share one settings object: the file's YAML anchors)
             seen.add(id(settings))
             settings["rate_limits"].insert(0, copy.deepcopy(ARRIVAL_DESCRIPTOR))
-        removed = vhost.get("request_headers_to_remove", [])
-        if EDGE_HEADER in removed:
-            removed.remove(EDGE_HEADER)
     for http_filter in hcm["http_filters"]:
         if http_filter["name"] == STRIP_FILTER:
             mutations = http_filter["typed_config"]["mutations"]["request_mutations"]
@@ -151,7 +149,7 @@ def render(
     hcm = _hcm(config)
     if fail_open or extproc is None:
         _remove_gate(hcm)
-    if edge == "call":
+    if edge == "call" and extproc is not None:
         _edge_by_call(hcm)
     if extproc is None:
         _remove_filters(hcm, (EXT_PROC_FILTER, RATELIMIT_FILTER, USAGE_FILTER))

@@ -33,8 +33,11 @@ _NO_BODY = BodyFacts()
 #: filter sends no arrival descriptor: ext_proc then judges the arrival at the edge itself, in the
 #: headers phase, one gRPC call fewer per request (servers/extproc.py).
 EDGE_HEADER = "x-extproc-edge"
+#: Added by the ratelimit filter to a request whose arrival the rate limit call judged (after the
+#: proxy's strip: no client can send it): ext_proc then does not judge it again, even told to.
+JUDGED_HEADER = "x-extproc-edge-judged"
 #: The proxy's own word to ext_proc: read, never dropped as a client's (the routes drop them).
-PROXY_HEADERS = frozenset({FILTER_HEADER, EDGE_HEADER})
+PROXY_HEADERS = frozenset({FILTER_HEADER, EDGE_HEADER, JUDGED_HEADER})
 
 
 @dataclass(frozen=True, slots=True)

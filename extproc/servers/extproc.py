@@ -41,7 +41,7 @@ from extproc.core.admission import Decision, Ticket
 from extproc.core.body import BodyFacts
 from extproc.core.classify import Classification
 from extproc.core.decision import Outcome, Reason, Rejection, reject
-from extproc.core.intake import EDGE_HEADER, Head, Intake
+from extproc.core.intake import EDGE_HEADER, JUDGED_HEADER, Head, Intake
 from extproc.core.redaction import Redactor
 from extproc.core.saturation import Effect
 from extproc.core.usage import NAMESPACE, admission_metadata, ask_for_usage, plan
@@ -306,7 +306,8 @@ class _Request:
         if head.repeated is not None:
             # Never a merged tenant or lane ("acme,globex"): the client must say it once.
             return self.refuse(Reason.BAD_REQUEST, f"Header {head.repeated!r} appears more than once.")
-        if self.p.edge is not None and head.headers.get(EDGE_HEADER) == "1":
+        headers = head.headers
+        if self.p.edge is not None and headers.get(EDGE_HEADER) == "1" and JUDGED_HEADER not in headers:
             return _JUDGE_EDGE
         return self.proceed()
 
@@ -324,7 +325,8 @@ class _Request:
         if answer is not None:
             self.limits = _ratelimit_headers(answer)
             if answer.overall_code == rls_pb2.RateLimitResponse.OVER_LIMIT:
-                self.edge_shed = True
+                # Decided: whatever a stream sends after its refusal passes untouched (never a ticket).
+                self.edge_shed, self.outcome = True, Outcome.REJECTED
                 return _edge_shed(answer, self.limits)
             if answer.HasField("dynamic_metadata"):
                 shadow = answer.dynamic_metadata.fields.get("shadow")
@@ -474,8 +476,6 @@ class _Request:
         service_ms: int | None = None
         if self.waiting_body:
             self.p.slow.leave(self.client, id(self))
-        if self.edge_shed:
-            return  # shed at the edge, before any decision of ext_proc's: the edge logged it
         status = self.status
         if ticket is not None:
             if ticket.admitted_at is not None and self.outcome is Outcome.ADMITTED:
@@ -487,8 +487,8 @@ class _Request:
             # stream ended says nothing more: Envoy ends it alike (EOF, then a reset that may race
             # ahead of it) for a finished response and for one whose client left mid-way.
             controller.release(ticket, learn=status is not None and 200 <= status < 300)
-        if self.headers is None:
-            return
+        if self.headers is None or self.edge_shed:
+            return  # (shed at the edge, before any decision of ext_proc's: the edge logged it)
         if ticket is None and not aborted and self.outcome is None:
             # The stream ended normally without a decision. Either the client went away before
             # its body came (harmless), or the filter ignored our body-mode override and the

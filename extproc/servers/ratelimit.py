@@ -55,6 +55,7 @@ from extproc.core.edge import (
     Pressure,
     SchedulerPressure,
 )
+from extproc.core.intake import JUDGED_HEADER
 from extproc.core.redaction import Redactor
 from extproc.core.usage import USAGE, USAGE_ENTRIES, Charge, charged
 from extproc.metrics import RateLimitMetrics
@@ -151,12 +152,25 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
                               context: grpc.aio.ServicerContext[Any, Any]) -> pb.RateLimitResponse:
         try:
             if self.store is not None:
-                return await self.decide_shared(request)
-            return self.decide(request)
+                response = await self.decide_shared(request)
+            else:
+                response = self.decide(request)
         except Exception:
             self.metrics.errors.inc()
             self.log.exception("rate limit decision failed")
             raise
+        if response.overall_code == pb.RateLimitResponse.OK and self._arrival_in(request):
+            # The filter adds it to the request (after the proxy's strip of every client x-extproc-*):
+            # ext_proc then never judges this arrival a second time, whatever else the proxy says
+            # (a config with the arrival descriptor and x-extproc-edge both, as while rolling out).
+            response.request_headers_to_add.add(key=JUDGED_HEADER, value="1")
+        return response
+
+    def _arrival_in(self, request: pb.RateLimitRequest) -> bool:
+        config = self.config()
+        if config.mode == "off" or request.domain != config.domain:
+            return False
+        return any(_entries(d).get("generic_key") == config.request_descriptor for d in request.descriptors)
 
     async def judge_inline(self, headers: Mapping[str, str], method: str, path: str
                            ) -> pb.RateLimitResponse | None:

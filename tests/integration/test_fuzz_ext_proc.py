@@ -56,6 +56,7 @@ class Server:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.port = free_port()
         self.metrics = Metrics(CollectorRegistry())
+        self.edge_registry = CollectorRegistry()
         self.controller: Controller | None = None
         self.server: grpc.aio.Server | None = None
         self.errors: list[str] = []
@@ -64,9 +65,10 @@ class Server:
         self.controller = Controller(POLICY, self.metrics)
         self.controller.start()
         processor = ExternalProcessor(self.controller)
-        edge_config = RateLimit.model_validate({"budgets": {"default": {"requests": 20, "per": "second"}}})
+        # A budget that runs out at once: most judged arrivals are shed.
+        edge_config = RateLimit.model_validate({"budgets": {"default": {"requests": 1, "per": "hour"}}})
         processor.edge = RateLimitService(ControllerPressure(self.controller),
-                                          RateLimitMetrics(CollectorRegistry()), lambda: edge_config)
+                                          RateLimitMetrics(self.edge_registry), lambda: edge_config)
         original = processor.Process
 
         async def guarded(requests: Any, context: Any) -> Any:
@@ -174,10 +176,20 @@ class Plan:
     """"close" (half-close after the messages), "cancel" (cancel after ``cut`` of them)."""
     cut: int
     pause: float
+    edge: bool
+    """The proxy's x-extproc-edge on every request headers message (the edge judged in the stream)."""
 
 
 plans = st.builds(Plan, st.lists(message(), max_size=6), st.sampled_from(["close", "cancel"]),
-                  st.integers(min_value=0, max_value=6), st.sampled_from([0.0, 0.0, 0.0, 0.05, 0.35]))
+                  st.integers(min_value=0, max_value=6), st.sampled_from([0.0, 0.0, 0.0, 0.05, 0.35]),
+                  st.booleans())
+
+
+def told_to_judge(msg: pb.ProcessingRequest) -> pb.ProcessingRequest:
+    out = pb.ProcessingRequest()
+    out.CopyFrom(msg)
+    out.request_headers.headers.headers.add(key="x-extproc-edge", raw_value=b"1")
+    return out
 
 
 async def play(port: int, plan: Plan) -> None:
@@ -203,7 +215,7 @@ async def play(port: int, plan: Plan) -> None:
             for i, msg in enumerate(plan.messages):
                 if plan.ending == "cancel" and i >= plan.cut:
                     break
-                await call.write(msg)
+                await call.write(told_to_judge(msg) if plan.edge and msg.HasField("request_headers") else msg)
                 if plan.pause:
                     await asyncio.sleep(plan.pause)
             if plan.ending == "cancel":
@@ -245,7 +257,7 @@ def test_a_second_headers_message_makes_no_second_ticket(server: Server) -> None
         headers = HeaderMap(headers=[HeaderValue(key=k, raw_value=v) for k, v in pairs])
         return pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=headers, end_of_stream=True))
 
-    plan = Plan([request_headers("/a"), request_headers("/b"), request_headers("/a")], "close", 0, 0.0)
+    plan = Plan([request_headers("/a"), request_headers("/b"), request_headers("/a")], "close", 0, 0.0, False)
 
     async def scenario() -> None:
         await play(server.port, plan)
@@ -255,3 +267,34 @@ def test_a_second_headers_message_makes_no_second_ticket(server: Server) -> None
     before = server.metrics.stream_errors.labels("repeated_headers")._value.get()
     server.run(scenario())
     assert server.metrics.stream_errors.labels("repeated_headers")._value.get() == before + 2
+
+
+def test_the_edge_judged_in_the_stream_sheds_and_leaves_nothing(server: Server) -> None:
+    """The plans above reach the edge (x-extproc-edge) as well: here one tenant's budget of one request
+    an hour, spent by its first, sheds its second before any body; nothing is left behind, even when
+    the stream goes on after its refusal (found by the property above: a body after the edge's 429
+    made a ticket the stream's end never released)."""
+    def arrival(tenant: bytes) -> pb.ProcessingRequest:
+        pairs = [(":method", b"POST"), (":path", b"/v1/chat/completions"), ("x-extproc-client", tenant)]
+        headers = HeaderMap(headers=[HeaderValue(key=k, raw_value=v) for k, v in pairs])
+        return pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=headers, end_of_stream=True))
+
+    tenant = b"edge-probe"  # a tenant no hypothesis example names
+    first = Plan([arrival(tenant)], "close", 0, 0.0, True)
+    body = pb.ProcessingRequest(request_body=pb.HttpBody(body=b'{"max_tokens": 5}', end_of_stream=True))
+    second = Plan([arrival(tenant), body], "close", 0, 0.0, True)
+    sample = server.edge_registry.get_sample_value
+    labels = {"lane": "a", "code": "over_limit", "reason": "tenant_request_budget", "shadow": "false"}
+    shed_before = sample("extproc_ratelimit_decisions_total", labels) or 0.0
+
+    async def scenario() -> None:
+        await play(server.port, first)
+        await play(server.port, second)
+        assert server.controller is not None
+        await until_idle(server.controller, within=5)
+
+    server.run(scenario())
+    assert (sample("extproc_ratelimit_decisions_total", labels) or 0.0) == shed_before + 1
+    assert server.errors == []
+    assert server.controller is not None
+    assert (server.controller.scheduler.total_inflight, server.controller.scheduler.total_queued) == (0, 0)

@@ -87,6 +87,8 @@ EXT_PROC = "envoy.filters.http.ext_proc"
 RATELIMIT = "envoy.filters.http.ratelimit"
 ROUTER = "envoy.filters.http.router"
 STRIP = bootstrap.STRIP_FILTER
+#: The proxy's own headers to extproc (and the rate limit call's mark): dropped before any backend.
+PROXY_WORDS = ["x-extproc-usage-filter", "x-extproc-edge", "x-extproc-edge-judged"]
 GATE = bootstrap.GATE_FILTER
 #: In envoy/envoy.yaml only: the local demo's API keys. In the mesh, a tenant comes from a JWT
 #: claim (RequestAuthentication outputClaimToHeaders), set after the strip.
@@ -971,13 +973,11 @@ def test_health_routes_skip_both_filters_and_inference_routes_are_shed_and_never
     assert set(patched) == {"extproc-health-bypass", "default"}
     assert patched["extproc-health-bypass"]["match"] == {"path": "/health"}
     assert patched["extproc-health-bypass"]["typed_per_filter_config"] == health
-    assert patched["default"] == {"typed_per_filter_config": shed,
-                                  "request_headers_to_remove": ["x-extproc-usage-filter", "x-extproc-edge"]}
+    assert patched["default"] == {"typed_per_filter_config": shed, "request_headers_to_remove": PROXY_WORDS}
     # The proxy's word to extproc never reaches a backend, on any route patched here.
     for overlay in ("gateway", "sidecar"):
         for name, value in route_patches(one(rendered[overlay], "EnvoyFilter")).items():
-            assert value["request_headers_to_remove"] == ["x-extproc-usage-filter", "x-extproc-edge"], \
-                (overlay, name)
+            assert value["request_headers_to_remove"] == PROXY_WORDS, (overlay, name)
 
 
 def _static_cluster(name: str, port: int, *, http2: bool = False) -> Doc:

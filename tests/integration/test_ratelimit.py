@@ -1,6 +1,9 @@
 """The edge shed through a real Envoy, both ways it can be judged: by extproc's rate limit service
 in a call of the ratelimit filter's own (``--edge call``), and by ext_proc in its headers phase
-(``inline``, shipped). Every test runs both ways and expects the same answers.
+(``inline``, shipped); and a proxy that says both (``both``: the arrival descriptor and
+x-extproc-edge, as while a fleet rolls over), where the call judges and ext_proc, told so by the
+x-extproc-edge-judged header the call adds, judges nothing twice. Every test runs every way and
+expects the same answers.
 
 Envoy runs the shipped config (ratelimit → ext_proc → router); extproc's rate limit
 service and ext_proc servicer share one real gRPC server and one real Controller in this
@@ -26,6 +29,7 @@ from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from prometheus_client import CollectorRegistry
 
+from extproc.bootstrap import EDGE_HEADER, STRIP_FILTER
 from extproc.controller import Controller
 from extproc.localstack import Stack, envoy_config, free_port
 from extproc.metrics import Metrics, RateLimitMetrics
@@ -122,7 +126,7 @@ async def until(predicate: Callable[[], bool], what: str, within_s: float = 10.0
 MakeEdge = Callable[..., Awaitable[Edge]]
 
 
-@pytest.fixture(params=["call", "inline"])
+@pytest.fixture(params=["call", "inline", "both"])
 def edge_mode(request: pytest.FixtureRequest) -> str:
     mode: str = request.param
     return mode
@@ -149,7 +153,7 @@ async def make_edge(tmp_path: Path, edge_mode: str) -> AsyncIterator[MakeEdge]:
                 service = RateLimitService(ControllerPressure(controller), RateLimitMetrics(registry),
                                            live.read, rng=random.Random(3))
                 add_to_server(service, server)
-                if mode == "inline":
+                if mode != "call":
                     processor.edge = service
             grpc_port = server.add_insecure_port("127.0.0.1:0")
             await server.start()
@@ -166,6 +170,13 @@ async def make_edge(tmp_path: Path, edge_mode: str) -> AsyncIterator[MakeEdge]:
             upstream_port = runner.addresses[0][1]
 
             def point_rls_elsewhere(doc: dict[str, Any]) -> None:
+                if mode == "both":  # the call form, and the proxy's word that ext_proc judges as well
+                    listener = doc["static_resources"]["listeners"][0]
+                    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+                    strip = next(f for f in hcm["http_filters"] if f["name"] == STRIP_FILTER)
+                    strip["typed_config"]["mutations"]["request_mutations"].append({"append": {
+                        "header": {"key": EDGE_HEADER, "value": "1"},
+                        "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}})
                 if rls_port is None:
                     return
                 clusters = doc["static_resources"]["clusters"]
@@ -177,7 +188,8 @@ async def make_edge(tmp_path: Path, edge_mode: str) -> AsyncIterator[MakeEdge]:
             stack = Stack(tmp_path)
             exits.push_async_callback(asyncio.to_thread, stack.stop)
             await asyncio.to_thread(stack.envoy, envoy_config(listen, admin, upstream_port, grpc_port,
-                                                              tweak=point_rls_elsewhere, edge=mode))
+                                                              tweak=point_rls_elsewhere,
+                                                              edge="inline" if mode == "inline" else "call"))
             return Edge(mode, f"http://127.0.0.1:{listen}", f"http://127.0.0.1:{admin}", controller, registry,
                         upstream, stack, live)
 
@@ -309,6 +321,10 @@ async def test_requests_pass_when_the_rate_limit_service_is_down(make_edge: Make
     # ext_proc still decided every request.
     assert all(r.json()["headers"]["x-extproc-lane"] == "interactive" for r in responses)
     assert edge.envoy_stat("cluster.inference_backend.ratelimit.failure_mode_allowed") == 3
+    # Told to judge as well, ext_proc judged the arrivals the failed call could not mark.
+    judged = edge.sample("extproc_ratelimit_decisions_total", lane="interactive", code="ok", reason="none",
+                         shadow="false")
+    assert judged == (3 if edge_mode == "both" and down == "unreachable" else 0)
 
 
 async def test_requests_pass_when_the_edge_fails_in_ext_proc(make_edge: MakeEdge, edge_mode: str) -> None:
@@ -321,8 +337,9 @@ async def test_requests_pass_when_the_edge_fails_in_ext_proc(make_edge: MakeEdge
     assert [r.status_code for r in responses] == [200, 200, 200]
     assert all(r.json()["headers"]["x-extproc-lane"] == "interactive" for r in responses)
     assert all("x-ratelimit-limit" not in r.headers for r in responses)
-    assert edge.sample("extproc_ratelimit_errors_total") == 3
-    if edge_mode == "call":
+    # Told both ways, each request fails twice: the call's (unmarked), then ext_proc's own.
+    assert edge.sample("extproc_ratelimit_errors_total") == (6 if edge_mode == "both" else 3)
+    if edge_mode != "inline":
         assert edge.envoy_stat("cluster.inference_backend.ratelimit.failure_mode_allowed") == 3
 
 
@@ -347,5 +364,5 @@ async def test_a_policy_change_applies_to_the_next_request(make_edge: MakeEdge) 
     assert statuses == [200, 429]
     assert edge.sample("extproc_ratelimit_decisions_total", lane="interactive", code="over_limit",
                        reason="tenant_request_budget", shadow="false") == 1
-    if edge.mode == "call":
+    if edge.mode != "inline":
         assert edge.envoy_stat("cluster.inference_backend.ratelimit.over_limit") == 1
