@@ -75,14 +75,15 @@ class Stack:
                                      lambda: self.config)
         self.processor.edge = self.edge
 
-    async def stream(self, *, proxy_says: bool = True, tenant: str = "acme", with_body: bool = True
-                     ) -> list[pb.ProcessingResponse]:
+    async def stream(self, *, proxy_says: bool = True, tenant: str = "acme", with_body: bool = True,
+                     judged: bool = False) -> list[pb.ProcessingResponse]:
         head = pb.ProcessingRequest()
         head.request_headers.end_of_stream = not with_body
         for k, v in ((":method", "POST"), (":path", "/v1/chat/completions"),
                      ("content-length", str(len(BODY))), ("x-extproc-client", tenant),
                      ("x-extproc-usage-filter", "1"),
-                     *((("x-extproc-edge", "1"),) if proxy_says else ())):
+                     *((("x-extproc-edge", "1"),) if proxy_says else ()),
+                     *((("x-extproc-edge-judged", "1"),) if judged else ())):
             head.request_headers.headers.headers.add(key=k, raw_value=v.encode())
         body = pb.ProcessingRequest()
         body.request_body.body = BODY
@@ -102,6 +103,14 @@ class Stack:
         async for answer in self.processor.Process(messages(), None):
             answers.append(answer)
         return answers
+
+    async def once(self, **how: Any) -> list[pb.ProcessingResponse]:
+        """One stream on a started controller, stopped again after."""
+        self.controller.start()
+        try:
+            return await self.stream(**how)
+        finally:
+            await self.controller.stop()
 
     def sample(self, name: str, **labels: str) -> float:
         return self.registry.get_sample_value(name, labels) or 0.0
@@ -192,24 +201,17 @@ async def test_a_failing_edge_lets_the_request_on() -> None:
         raise RuntimeError("no policy")
 
     stack.edge.config = broken
-    stack.controller.start()
-    try:
-        answers = await stack.stream()
-    finally:
-        await stack.controller.stop()
+    answers = await stack.once()
     assert len(answers) == 3
     assert headers_of(answers[1].request_body.response.header_mutation)["x-extproc-lane"] == "interactive"
     assert stack.sample("extproc_ratelimit_errors_total") == 1
 
 
-@pytest.mark.parametrize("mode", ["off"])
-async def test_an_edge_that_is_off_judges_nothing(mode: str) -> None:
+@pytest.mark.parametrize(("mode", "judged"), [("off", False), ("enforce", True)])
+async def test_an_edge_that_is_off_or_already_judged_judges_nothing(mode: str, judged: bool) -> None:
+    # judged: the rate limit call judged this arrival already (its x-extproc-edge-judged mark).
     stack = Stack(POLICY, RateLimit.model_validate({"mode": mode}))
-    stack.controller.start()
-    try:
-        answers = await stack.stream()
-    finally:
-        await stack.controller.stop()
+    answers = await stack.once(judged=judged)
     assert len(answers) == 3
     assert not answers[2].response_headers.response.header_mutation.set_headers
     assert stack.sample("extproc_ratelimit_decisions_total", lane="interactive", code="ok", reason="none",
