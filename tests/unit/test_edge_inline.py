@@ -3,6 +3,7 @@ sockets: the answers Envoy's ratelimit filter would give, rendered by ext_proc."
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -76,7 +77,12 @@ class Stack:
         self.processor.edge = self.edge
 
     async def stream(self, *, proxy_says: bool = True, tenant: str = "acme", with_body: bool = True,
-                     judged: bool = False) -> list[pb.ProcessingResponse]:
+                     judged: bool = False, hold: asyncio.Event | None = None,
+                     holding: asyncio.Event | None = None,
+                     body_comes: bool = True) -> list[pb.ProcessingResponse]:
+        # hold: the response headers come only once it is set (the slot is held till then; holding is
+        # set when that wait begins);
+        # body_comes False: the body is announced and never sent.
         head = pb.ProcessingRequest()
         head.request_headers.end_of_stream = not with_body
         for k, v in ((":method", "POST"), (":path", "/v1/chat/completions"),
@@ -91,6 +97,8 @@ class Stack:
         response = pb.ProcessingRequest()
         response.response_headers.headers.headers.add(key=":status", raw_value=b"200")
         sent = [head, body, response] if with_body else [head, response]
+        if not body_comes:
+            sent = [head]
         answers: list[pb.ProcessingResponse] = []
 
         async def messages() -> AsyncIterator[pb.ProcessingRequest]:
@@ -98,7 +106,13 @@ class Stack:
             for message in sent:
                 if answers and answers[-1].HasField("immediate_response"):
                     return
+                if message is response and hold is not None:
+                    if holding is not None:
+                        holding.set()
+                    await hold.wait()
                 yield message
+            if not body_comes and not answers[-1].HasField("immediate_response"):
+                await asyncio.Event().wait()  # (the stream stays open, silent)
 
         async for answer in self.processor.Process(messages(), None):
             answers.append(answer)
@@ -216,3 +230,40 @@ async def test_an_edge_that_is_off_or_already_judged_judges_nothing(mode: str, j
     assert not answers[2].response_headers.response.header_mutation.set_headers
     assert stack.sample("extproc_ratelimit_decisions_total", lane="interactive", code="ok", reason="none",
                         shadow="false") == 0
+
+
+async def test_ext_procs_own_refusals_carry_the_edges_limits() -> None:
+    # The ratelimit filter in front of ext_proc put x-ratelimit-* on every response that passed it,
+    # ext_proc's refusals included: judged inline, a hold's expiry and a late body's 408 carry them.
+    policy = Policy.model_validate({**POLICY.model_dump(mode="json", exclude_unset=True),
+                                    "lanes": [{"name": "interactive", "max_inflight": 1, "max_queued": 1,
+                                               "deadline": "200ms"}],
+                                    "estimation": {"read_body": "always", "body_timeout": "50ms"}})
+    stack = Stack(policy, RateLimit.model_validate({"budgets": {"default": {"requests": 3, "per": "hour"}}}))
+    stack.controller.start()
+    release, holding = asyncio.Event(), asyncio.Event()
+    try:
+        holder = asyncio.create_task(stack.stream(hold=release, holding=holding))
+        await holding.wait()  # admitted, its slot taken
+        assert stack.controller.scheduler.total_inflight == 1
+        expired = await stack.stream()  # passes the edge (the queue has room), then waits out its deadline
+        release.set()
+        held = await holder
+        ask, late = await stack.stream(body_comes=False)
+    finally:
+        await stack.controller.stop()
+    assert len(held) == 3
+    *_, hold, refusal = expired
+    assert hold.HasField("override_message_timeout")
+    assert refusal.immediate_response.details.startswith("extproc_")
+    sent = headers_of(refusal.immediate_response.headers)
+    assert "x-envoy-ratelimited" not in sent  # ext_proc's refusal, not the edge's shed
+    # The fewest remaining: the lane's places (1 in flight + 1 queued), the holder's taken when judged.
+    assert (sent["x-ratelimit-limit"], sent["x-ratelimit-remaining"]) == ("2", "1")
+    assert ask.mode_override.request_body_mode  # the body asked for, and never sent
+    assert late.immediate_response.details == "extproc_body_timeout"
+    # Its tenant's last request of the hour: the budget is what has fewest left now.
+    late_sent = headers_of(late.immediate_response.headers)
+    assert late_sent["x-ratelimit-limit"] == '3, 3;w=3600;name="tenant_requests"'
+    assert (late_sent["x-ratelimit-remaining"], late_sent["x-ratelimit-reset"]) == ("0", "3600")
+    assert stack.controller.scheduler.total_inflight == 0
