@@ -261,7 +261,7 @@ def main() -> None:
                           f"{r['cpu_us_per_request']['ext_proc']:.0f} µs/req  non2xx {r['non2xx']}",
                           flush=True)
             for phase in (["rate"] if args.rate else []) + (["closed"] if args.reps else []):
-                for _rep, key in overhead._interleaved(keys, args.reps or 1):
+                for key in (k for rep in range(args.reps or 1) for k in overhead._rotated(keys, rep)):
                     cfg = by_key[key]
                     if phase == "rate":
                         r = overhead.wrk(cfg, paced, duration=args.duration, connections=16, threads=1,
