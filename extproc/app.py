@@ -182,6 +182,7 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
     for name in ("", EXT_PROC_SERVICE, RATELIMIT_SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("serving", grpc=str(settings.grpc), http=str(settings.http),
+             event_loop=type(asyncio.get_running_loop()).__module__.split(".")[0],
              admin=str(settings.admin) if settings.admin else None,
              admin_grpc=str(settings.admin_grpc) if settings.admin_grpc else None, policy=settings.policy,
              lanes=[lane.name for lane in policy.lanes], capacity=policy.total_capacity,

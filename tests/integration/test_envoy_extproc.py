@@ -266,10 +266,12 @@ def test_a_lane_header_the_gateway_sets_is_honoured_and_a_client_copy_is_not(tmp
         stack.stop()
 
 
-def test_shutdown_answers_queued_with_503_and_lets_inflight_finish(tmp_path: Path) -> None:
+@pytest.mark.parametrize("loop", ["auto", "asyncio"])
+def test_shutdown_answers_queued_with_503_and_lets_inflight_finish(tmp_path: Path, loop: str) -> None:
+    # On either event loop (auto: uvloop's, a dependency wherever it builds).
     policy = tmp_path / "policy.yaml"
     policy.write_text(POLICY)
-    stack, env = start_env(tmp_path, policy)
+    stack, env = start_env(tmp_path, policy, extproc_args=("--event-loop", loop))
     try:
         with ThreadPoolExecutor(2) as pool:
             busy = pool.submit(post, env, "/interactive/a", delay_ms=1500)
@@ -284,6 +286,7 @@ def test_shutdown_answers_queued_with_503_and_lets_inflight_finish(tmp_path: Pat
             assert busy.result().status_code == 200
         assert extproc.popen.wait(10) == 0
         assert '"event": "stopped"' in extproc.output()
+        assert f'"event_loop": "{"uvloop" if loop == "auto" else "asyncio"}"' in extproc.output()
     finally:
         stack.stop()
 
