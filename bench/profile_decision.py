@@ -23,6 +23,7 @@ import argparse
 import collections
 import json
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -43,7 +44,8 @@ BENCH = Path(__file__).resolve().parent
 
 
 def start(s: localstack.Stack, workdir: Path, variants: list[tuple[str, Path]], noop: bool,
-          policy_text: str, redis: bool = False) -> list[overhead.Config]:
+          policy_text: str, redis: bool = False, extra: dict[str, list[str]] | None = None
+          ) -> list[overhead.Config]:
     upstream = localstack.free_port()
     up = s.start("upstream", [sys.executable, str(BENCH / "upstream.py"), str(upstream)])
     localstack.wait_http(f"http://127.0.0.1:{upstream}/health", proc=up.popen)
@@ -63,9 +65,13 @@ def start(s: localstack.Stack, workdir: Path, variants: list[tuple[str, Path]], 
     for name, path in variants:
         grpc, http = localstack.free_port(), localstack.free_port()
         # NAME=CHECKOUT[:MORE]: more entries (a sitecustomize probe, say) may follow the checkout.
-        env = {"PYTHONPATH": ":".join(str(Path(p).resolve()) for p in str(path).split(":"))}
+        # PYTHONSAFEPATH: ``python -m`` would otherwise put the working directory first on sys.path,
+        # and run from a checkout every variant would import that checkout's extproc.
+        env = {"PYTHONPATH": ":".join(str(Path(p).resolve()) for p in str(path).split(":")),
+               "PYTHONSAFEPATH": "1"}
         on = [*store, "--store-prefix", f"profile-{name}"] if store else []
-        proc = s.extproc(policy, grpc, http, "--log-level", "info", *on, name=f"extproc-{name}", env=env)
+        proc = s.extproc(policy, grpc, http, "--log-level", "info", *on, *(extra or {}).get(name, []),
+                         name=f"extproc-{name}", env=env)
         cfg = overhead.Config(name, localstack.free_port(), localstack.free_port(),
                               {"ext_proc": proc.popen.pid}, metrics_urls=[f"http://127.0.0.1:{http}/metrics"])
         cfg.pids["grpc_port"] = grpc  # not a pid: popped below
@@ -200,6 +206,10 @@ def main() -> None:
     parser.add_argument("--strace", type=int, default=0, help="seconds of strace -c per configuration")
     parser.add_argument("--native", action="store_true", help="py-spy --native: C frames too (gRPC's core)")
     parser.add_argument("--keep", action="store_true", help="keep the process logs (printed path)")
+    parser.add_argument("--extproc-args", action="append", default=[], metavar="NAME=ARGS",
+                        help="more extproc serve arguments for one variant (asyncio='--event-loop asyncio')")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="also write every run and the medians there (with --reps/--parallel)")
     parser.add_argument("--redis", action="store_true",
                         help="extproc on a redis-server this script starts (--store redis://…)")
     args = parser.parse_args()
@@ -212,8 +222,9 @@ def main() -> None:
     results: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
     try:
         with localstack.stack(workdir) as s:
+            extra = {a.split("=", 1)[0]: shlex.split(a.split("=", 1)[1]) for a in args.extproc_args}
             configs = start(s, workdir, variants, args.noop, overhead.POLICY.format(read_body=args.read_body),
-                            redis=args.redis)
+                            redis=args.redis, extra=extra)
             for cfg in configs:
                 print(f"{cfg.key}: {cfg.url} {cfg.pids}", flush=True)
                 overhead.check_path(cfg)
@@ -282,13 +293,28 @@ def main() -> None:
             shutil.rmtree(workdir, ignore_errors=True)
     if results:
         print("\nmedians:")
+        medians: dict[str, dict[str, float]] = {}
         for name, runs in results.items():
             def med(f: Any, runs: list[dict[str, Any]] = runs) -> float:
-                return statistics.median(f(r) for r in runs)
-            print(f"  {name:16} {med(lambda r: r['req_per_s']):7.0f} req/s  "
-                  f"p50 {med(lambda r: r['latency_ms']['p50']):.2f}"
-                  f"  p99 {med(lambda r: r['latency_ms']['p99']):.2f}  extproc "
-                  f"{med(lambda r: r['cpu_us_per_request']['ext_proc']):.0f} µs/req")
+                return float(statistics.median(f(r) for r in runs))
+            medians[name] = {"req_per_s": med(lambda r: r["req_per_s"]),
+                             "p50_ms": med(lambda r: r["latency_ms"]["p50"]),
+                             "p99_ms": med(lambda r: r["latency_ms"]["p99"]),
+                             "extproc_cpu_us_per_request": med(lambda r: r["cpu_us_per_request"]["ext_proc"])}
+            m = medians[name]
+            print(f"  {name:16} {m['req_per_s']:7.0f} req/s  p50 {m['p50_ms']:.2f}  p99 {m['p99_ms']:.2f}"
+                  f"  extproc {m['extproc_cpu_us_per_request']:.0f} µs/req")
+        if args.json is not None:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({
+                "benchmark": "profile_decision",
+                "command": "python bench/profile_decision.py " + " ".join(sys.argv[1:]),
+                "machine": overhead.machine_info(),
+                "variants": {name: str(path) for name, path in variants},
+                "medians": medians,
+                "runs": results,
+            }, indent=1))
+            print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":
