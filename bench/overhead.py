@@ -703,6 +703,8 @@ def machine_info() -> dict[str, Any]:
         "wrk": version(["wrk", "-v"]),
         "redis_server": version(["redis-server", "--version"]),
         "git_commit": version(["git", "-C", str(ROOT), "rev-parse", "HEAD"]),
+        # Changes to tracked files not committed yet: then git_commit alone does not say what ran.
+        "git_dirty": bool(version(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"])),
         "loadavg_start": list(os.getloadavg()),
         "background_busy": round(1 - idle / max(total, 1), 3),
         "background_steal": round(steal / max(total, 1), 3),

@@ -89,6 +89,27 @@ def start(s: localstack.Stack, workdir: Path, variants: list[tuple[str, Path]], 
     return configs
 
 
+def extproc_args(parser: argparse.ArgumentParser, given: list[str], names: list[str]) -> dict[str, list[str]]:
+    """``--extproc-args NAME=ARGS`` by variant (repeats add up); an unknown NAME is an error, not a
+    silent A/B of two identical configurations."""
+    extra: dict[str, list[str]] = {}
+    for item in given:
+        name, sep, text = item.partition("=")
+        if not sep or name not in names:
+            parser.error(f"--extproc-args {item!r}: expected NAME=ARGS with NAME one of {', '.join(names)}")
+        extra.setdefault(name, []).extend(shlex.split(text))
+    return extra
+
+
+def _commit(path: Path) -> str | None:
+    """The checkout's commit, with ``-dirty`` when tracked files changed since."""
+    try:
+        return subprocess.run(["git", "-C", str(path), "describe", "--always", "--dirty"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 Row = tuple[str, float, float]
 
 
@@ -222,9 +243,9 @@ def main() -> None:
     results: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
     try:
         with localstack.stack(workdir) as s:
-            extra = {a.split("=", 1)[0]: shlex.split(a.split("=", 1)[1]) for a in args.extproc_args}
+            serve_args = extproc_args(parser, args.extproc_args, [name for name, _ in variants])
             configs = start(s, workdir, variants, args.noop, overhead.POLICY.format(read_body=args.read_body),
-                            redis=args.redis, extra=extra)
+                            redis=args.redis, extra=serve_args)
             for cfg in configs:
                 print(f"{cfg.key}: {cfg.url} {cfg.pids}", flush=True)
                 overhead.check_path(cfg)
@@ -308,9 +329,10 @@ def main() -> None:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps({
                 "benchmark": "profile_decision",
-                "command": "python bench/profile_decision.py " + " ".join(sys.argv[1:]),
+                "command": shlex.join(["python", "bench/profile_decision.py", *sys.argv[1:]]),
                 "machine": overhead.machine_info(),
-                "variants": {name: str(path) for name, path in variants},
+                "variants": {name: {"checkout": str(path), "commit": _commit(path),
+                                    "extproc_args": serve_args.get(name, [])} for name, path in variants},
                 "medians": medians,
                 "runs": results,
             }, indent=1))

@@ -284,7 +284,7 @@ class RedisLedger:
         }
         target = self.target
         if target.kind == "sentinel":
-            sentinel = Sentinel(list(target.sentinels), sentinel_kwargs={  # type: ignore[no-untyped-call]
+            sentinel = Sentinel(list(target.sentinels), sentinel_kwargs={  # type: ignore[no-untyped-call, unused-ignore]
                 "socket_timeout": self.connect_timeout, "socket_connect_timeout": self.connect_timeout})
             client: Redis = sentinel.master_for(target.service, db=target.db, username=target.username,
                                                 password=target.password, **common)
@@ -816,7 +816,7 @@ class RedisLedger:
                     delay = min(delay * 2, 1.0)
                 finally:
                     with contextlib.suppress(RedisError, OSError):
-                        await pubsub.aclose()  # type: ignore[no-untyped-call]
+                        await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]
         finally:
             self.subscribed = False
             await client.aclose()

@@ -81,8 +81,8 @@ class Stack:
                      holding: asyncio.Event | None = None,
                      body_comes: bool = True) -> list[pb.ProcessingResponse]:
         # hold: the response headers come only once it is set (the slot is held till then; holding is
-        # set when that wait begins);
-        # body_comes False: the body is announced and never sent.
+        # set when that wait begins); body_comes False (with a body announced): the body never comes, and
+        # the stream stays open until ext_proc answers;
         head = pb.ProcessingRequest()
         head.request_headers.end_of_stream = not with_body
         for k, v in ((":method", "POST"), (":path", "/v1/chat/completions"),
@@ -239,31 +239,36 @@ async def test_ext_procs_own_refusals_carry_the_edges_limits() -> None:
                                     "lanes": [{"name": "interactive", "max_inflight": 1, "max_queued": 1,
                                                "deadline": "200ms"}],
                                     "estimation": {"read_body": "always", "body_timeout": "50ms"}})
-    stack = Stack(policy, RateLimit.model_validate({"budgets": {"default": {"requests": 3, "per": "hour"}}}))
+    stack = Stack(policy, RateLimit.model_validate({"budgets": {"default": {"requests": 4, "per": "hour"}}}))
     stack.controller.start()
     release, holding = asyncio.Event(), asyncio.Event()
     try:
-        holder = asyncio.create_task(stack.stream(hold=release, holding=holding))
-        await holding.wait()  # admitted, its slot taken
-        assert stack.controller.scheduler.total_inflight == 1
-        expired = await stack.stream()  # passes the edge (the queue has room), then waits out its deadline
-        release.set()
-        held = await holder
-        ask, late = await stack.stream(body_comes=False)
+        async with asyncio.timeout(10):  # (a regression fails here rather than hanging)
+            holder = asyncio.create_task(stack.stream(hold=release, holding=holding))
+            await holding.wait()  # admitted, its slot taken
+            assert stack.controller.scheduler.total_inflight == 1
+            expired = await stack.stream()  # past the edge (the queue has room), then its deadline passes
+            release.set()
+            held = await holder
+            ask, late = await stack.stream(body_comes=False)
     finally:
+        release.set()
         await stack.controller.stop()
     assert len(held) == 3
     *_, hold, refusal = expired
     assert hold.HasField("override_message_timeout")
-    assert refusal.immediate_response.details.startswith("extproc_")
+    assert (refusal.immediate_response.status.code, refusal.immediate_response.details) == (
+        429, "extproc_deadline_expired")
     sent = headers_of(refusal.immediate_response.headers)
     assert "x-envoy-ratelimited" not in sent  # ext_proc's refusal, not the edge's shed
-    # The fewest remaining: the lane's places (1 in flight + 1 queued), the holder's taken when judged.
+    # The fewest remaining when it was judged: the lane's places (1 in flight + 1 queued, the holder's
+    # taken: 1 left), not its tenant's budget (4 an hour, 2 taken: 2 left).
     assert (sent["x-ratelimit-limit"], sent["x-ratelimit-remaining"]) == ("2", "1")
     assert ask.mode_override.request_body_mode  # the body asked for, and never sent
-    assert late.immediate_response.details == "extproc_body_timeout"
-    # Its tenant's last request of the hour: the budget is what has fewest left now.
+    assert (late.immediate_response.status.code, late.immediate_response.details) == (
+        408, "extproc_body_timeout")
+    # Judged with the lane free again (2 left) and its tenant's budget at 1 left: the budget's.
     late_sent = headers_of(late.immediate_response.headers)
-    assert late_sent["x-ratelimit-limit"] == '3, 3;w=3600;name="tenant_requests"'
-    assert (late_sent["x-ratelimit-remaining"], late_sent["x-ratelimit-reset"]) == ("0", "3600")
+    assert late_sent["x-ratelimit-limit"] == '4, 4;w=3600;name="tenant_requests"'
+    assert late_sent["x-ratelimit-remaining"] == "1"
     assert stack.controller.scheduler.total_inflight == 0

@@ -1,14 +1,14 @@
-"""Which event loop ``extproc serve`` runs on (``--event-loop``)."""
+"""Which event loop ``extproc serve`` runs on (``--event-loop``), and choices read from the environment."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
-import uvloop
 
-from extproc.cli import loop_factory
+from extproc.cli import build_parser, loop_factory
+
+uvloop = pytest.importorskip("uvloop")  # a dependency everywhere but Windows
 
 
 def test_auto_and_uvloop_run_on_uvloop_asyncio_on_asyncios() -> None:
@@ -21,6 +21,8 @@ def test_auto_and_uvloop_run_on_uvloop_asyncio_on_asyncios() -> None:
         finally:
             loop.close()
     assert loop_factory("asyncio") is None  # asyncio.Runner's own loop
+    with pytest.raises(ValueError, match="unknown event loop 'trio'"):
+        loop_factory("trio")
 
 
 def test_without_uvloop_auto_falls_back_and_uvloop_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -30,9 +32,31 @@ def test_without_uvloop_auto_falls_back_and_uvloop_is_a_clear_error(monkeypatch:
         loop_factory("uvloop")
 
 
-def test_an_unknown_choice_is_refused_by_the_command_line() -> None:
-    result = subprocess.run([sys.executable, "-m", "extproc", "serve", "--event-loop", "trio"],
-                            capture_output=True, text=True, timeout=30)
-    assert result.returncode == 2
-    assert "invalid choice: 'trio'" in result.stderr
+@pytest.mark.parametrize(("flag", "env", "value"), [
+    ("--event-loop", "EXTPROC_EVENT_LOOP", "trio"),
+    # A typo must not turn fail-open into fail-closed (or back) without a word.
+    ("--store-fail", "EXTPROC_STORE_FAIL", "clsoed"),
+    ("--store-share", "EXTPROC_STORE_SHARE", "fleets"),
+    ("--log-format", "EXTPROC_LOG_FORMAT", "jsonl"),
+])
+def test_a_choice_from_the_environment_is_checked_like_a_flag(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], flag: str, env: str, value: str
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["serve", flag, value])
+    assert exit_.value.code == 2
+    assert f"{value!r} is not one of" in capsys.readouterr().err
+    monkeypatch.setenv(env, value)
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["serve"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: {value!r} is not one of" in err
+    assert f"env {env}" in err
 
+
+def test_valid_choices_from_the_environment_are_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EXTPROC_EVENT_LOOP", "asyncio")
+    monkeypatch.setenv("EXTPROC_STORE_FAIL", "closed")
+    args = build_parser().parse_args(["serve"])
+    assert (args.event_loop, args.store_fail, args.store_share) == ("asyncio", "closed", "fleet")
