@@ -674,11 +674,22 @@ def envoy_calls(cfg: Config) -> dict[str, float]:
     return out
 
 
+def _git_dirty() -> bool | None:
+    """Whether tracked files differ from the commit (None: git could not say)."""
+    try:
+        proc = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                              capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return bool(proc.stdout.strip()) if proc.returncode == 0 else None
+
+
 def machine_info() -> dict[str, Any]:
     def version(argv: list[str]) -> str:
         with contextlib.suppress(OSError, subprocess.SubprocessError):
             proc = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
-            return (proc.stdout + proc.stderr).strip().splitlines()[0 if argv[0] == "wrk" else -1].strip()
+            lines = (proc.stdout + proc.stderr).strip().splitlines()
+            return lines[0 if argv[0] == "wrk" else -1].strip() if lines else ""
         return "unknown"
 
     cpu = "unknown"
@@ -704,7 +715,7 @@ def machine_info() -> dict[str, Any]:
         "redis_server": version(["redis-server", "--version"]),
         "git_commit": version(["git", "-C", str(ROOT), "rev-parse", "HEAD"]),
         # Changes to tracked files not committed yet: then git_commit alone does not say what ran.
-        "git_dirty": bool(version(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"])),
+        "git_dirty": _git_dirty(),
         "loadavg_start": list(os.getloadavg()),
         "background_busy": round(1 - idle / max(total, 1), 3),
         "background_steal": round(steal / max(total, 1), 3),

@@ -104,7 +104,7 @@ def extproc_args(parser: argparse.ArgumentParser, given: list[str], names: list[
 def _commit(path: Path) -> str | None:
     """The checkout's commit, with ``-dirty`` when tracked files changed since."""
     try:
-        return subprocess.run(["git", "-C", str(path), "describe", "--always", "--dirty"],
+        return subprocess.run(["git", "-C", str(path).split(":")[0], "describe", "--always", "--dirty"],
                               capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
@@ -235,6 +235,7 @@ def main() -> None:
                         help="extproc on a redis-server this script starts (--store redis://…)")
     args = parser.parse_args()
     variants = [(v.split("=", 1)[0], Path(v.split("=", 1)[1])) for v in args.variant] or [("this", ROOT)]
+    serve_args = extproc_args(parser, args.extproc_args, [name for name, _ in variants])
     workdir = Path(tempfile.mkdtemp(prefix="extproc-profile-"))
     closed, paced = workdir / "closed.lua", workdir / "paced.lua"
     common = overhead.LUA_COMMON.replace("@BODY@", overhead.BODY)
@@ -243,7 +244,6 @@ def main() -> None:
     results: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
     try:
         with localstack.stack(workdir) as s:
-            serve_args = extproc_args(parser, args.extproc_args, [name for name, _ in variants])
             configs = start(s, workdir, variants, args.noop, overhead.POLICY.format(read_body=args.read_body),
                             redis=args.redis, extra=serve_args)
             for cfg in configs:
@@ -269,7 +269,7 @@ def main() -> None:
                     print(f"profiled ({fmt}): {rps:.0f} req/s; extproc CPU {after - before:.1f} s "
                           f"over ~{args.profile} s (includes py-spy's pauses)", flush=True)
                 by_own, by_cum, total = collapsed_top(raw)
-                command = " ".join(["python", "bench/profile_decision.py", *sys.argv[1:]])
+                command = shlex.join(["python", "bench/profile_decision.py", *sys.argv[1:]])
                 extra = (f"extproc serve (policy of bench/overhead.py, read_body: {args.read_body}, "
                          f"ratelimit enforce) behind the shipped Envoy config, "
                          f"closed-loop wrk -c{args.connections}: "

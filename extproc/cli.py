@@ -48,7 +48,8 @@ def _one_of(name: str, *allowed: str) -> Callable[[str], str]:
 def loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
     """The event loop ``serve`` runs on: uvloop's (``auto`` when it is installed), or None for asyncio's.
 
-    Raises ValueError when uvloop is asked for and not installed."""
+    Raises ValueError for a choice not among auto, uvloop and asyncio, and when uvloop is asked for and
+    not installed."""
     if choice == "asyncio":
         return None
     if choice not in ("auto", "uvloop"):

@@ -267,7 +267,8 @@ def test_a_lane_header_the_gateway_sets_is_honoured_and_a_client_copy_is_not(tmp
         stack.stop()
 
 
-@pytest.mark.parametrize(("loop", "sig"), [("auto", signal.SIGTERM), ("asyncio", signal.SIGINT)])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("loop", ["auto", "asyncio"])
 def test_shutdown_answers_queued_with_503_and_lets_inflight_finish(tmp_path: Path, loop: str,
                                                                    sig: int) -> None:
     # On either event loop (auto: uvloop's, a dependency everywhere but Windows), on Kubernetes' SIGTERM

@@ -271,4 +271,5 @@ async def test_ext_procs_own_refusals_carry_the_edges_limits() -> None:
     late_sent = headers_of(late.immediate_response.headers)
     assert late_sent["x-ratelimit-limit"] == '4, 4;w=3600;name="tenant_requests"'
     assert late_sent["x-ratelimit-remaining"] == "1"
+    assert 2690 <= int(late_sent["x-ratelimit-reset"]) <= 2700  # 3 of 4 to refill at 900 s each
     assert stack.controller.scheduler.total_inflight == 0

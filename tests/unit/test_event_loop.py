@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from extproc.cli import build_parser, loop_factory
+from extproc.cli import EXIT_STARTUP, build_parser, loop_factory
 
-uvloop = pytest.importorskip("uvloop")  # a dependency everywhere but Windows
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_auto_and_uvloop_run_on_uvloop_asyncio_on_asyncios() -> None:
+    uvloop = pytest.importorskip("uvloop")  # a dependency everywhere but Windows
     for choice in ("auto", "uvloop"):
         factory = loop_factory(choice)
         assert factory is uvloop.new_event_loop
@@ -60,3 +63,16 @@ def test_valid_choices_from_the_environment_are_taken(monkeypatch: pytest.Monkey
     monkeypatch.setenv("EXTPROC_STORE_FAIL", "closed")
     args = build_parser().parse_args(["serve"])
     assert (args.event_loop, args.store_fail, args.store_share) == ("asyncio", "closed", "fleet")
+
+
+def test_serve_without_uvloop_asked_for_it_exits_before_serving(tmp_path: Path) -> None:
+    # As if uvloop were not installed: the import of it fails, and serve says so and stops (exit 3).
+    code = ("import sys; sys.modules['uvloop'] = None; from extproc.cli import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    result = subprocess.run(
+        [sys.executable, "-c", code, "serve", "--policy", str(ROOT / "examples" / "policy.yaml"),
+         "--grpc", "127.0.0.1:0", "--http", "127.0.0.1:0", "--admin", "off", "--admin-grpc", "off",
+         "--event-loop", "uvloop"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert result.returncode == EXIT_STARTUP
+    assert "uvloop is not installed" in result.stderr
+    assert '"event": "serving"' not in result.stderr
