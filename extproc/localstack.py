@@ -7,6 +7,7 @@ users deploy. Every process started is stopped again, even on errors.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import shutil
@@ -28,11 +29,25 @@ from extproc.settings import Address
 ROOT = bootstrap.ROOT
 
 
+#: Ports free_port handed out lately (oldest first): the kernel may offer a port again as soon as the
+#: probe socket closes, and a stack asks for several before anything binds them.
+_HANDED_OUT: collections.OrderedDict[int, None] = collections.OrderedDict()
+_HANDED_OUT_KEPT = 4096
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A loopback port nothing listens on, and not one this process handed out lately."""
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port: int = sock.getsockname()[1]
+        if port not in _HANDED_OUT:
+            break
+    _HANDED_OUT[port] = None
+    _HANDED_OUT.move_to_end(port)
+    while len(_HANDED_OUT) > _HANDED_OUT_KEPT:
+        _HANDED_OUT.popitem(last=False)
+    return port
 
 
 def envoy_binary() -> str:

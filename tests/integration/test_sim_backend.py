@@ -21,6 +21,7 @@ import pytest
 from aiohttp import web
 from openai.types.chat import ChatCompletion
 
+from extproc.localstack import free_port
 from extproc.sim.backend import add_arguments, build_app, serve
 from extproc.sim.profiles import TEST
 
@@ -247,11 +248,6 @@ def test_a_client_that_hangs_up_is_cancelled_in_the_engine(stream: bool, handler
         server.stop()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 RUNNER = ("import argparse, sys\nfrom extproc.sim import backend\np = argparse.ArgumentParser()\n"
