@@ -6,7 +6,8 @@ with its ports rewritten) and the same fast upstream (``bench/upstream.py``):
 * ``envoy``        Envoy straight to the upstream (everything that talks to extproc removed);
 * ``noop``         Envoy + ``bench/noop_extproc.py`` (CONTINUE to everything, reads the body like
                    extproc, sets ``x-extproc-lane`` so the admission gate passes it), the
-                   ratelimit filter removed: the cost of any Python ext_proc server;
+                   ratelimit filter removed: the cost of any Python ext_proc server; on the event
+                   loop extproc serve runs on (uvloop's);
 * ``noop_response`` the no-op asking for the response headers too (``--response-headers``): the
                    message per request extproc asks for beyond the no-op's (their status says which
                    service times to learn from; they carry the edge's x-ratelimit-* headers);
@@ -315,6 +316,9 @@ def _wait_tcp_started(process: localstack.Process, port: int) -> None:
 
 #: Subprocesses run this checkout's code, whatever the caller's PYTHONPATH says.
 ENV = {"PYTHONPATH": str(ROOT)}
+#: The no-op servers' event loop: uvloop's, as ``extproc serve --event-loop auto`` (asyncio's where
+#: uvloop is not installed, as there).
+NOOP_LOOP = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
 
 
 def start_redis(s: localstack.Stack, workdir: Path) -> tuple[str, int]:
@@ -355,7 +359,9 @@ def start_stacks(s: localstack.Stack, workdir: Path, params: Params,
         target: int | None = None
         if key in ("noop", "noop_response"):
             target = localstack.free_port()
-            flags = ["--body", "auto", *(["--response-headers"] if key == "noop_response" else [])]
+            flags = ["--body", "auto", *(["--response-headers"] if key == "noop_response" else []),
+                     # The event loop extproc serve runs on by default: like for like.
+                     "--event-loop", NOOP_LOOP]
             script = str(BENCH / "noop_extproc.py")
             noop = s.start(key, [sys.executable, script, str(target), *flags], env=ENV)
             _wait_tcp_started(noop, target)
@@ -927,6 +933,7 @@ def run(params: Params, keys: list[str], out_dir: Path, keep: bool, quick: bool)
             "throughput_tool": "wrk closed loop (one thread)",
             "order": order,
             "policy": POLICY,
+            "noop_event_loop": NOOP_LOOP,
         },
         "definitions": {
             "added_ms": "p50/p99 latency minus Envoy alone's (medians over repetitions of each run's wrk "

@@ -43,9 +43,9 @@ from extproc.settings import Address  # noqa: E402
 BENCH = Path(__file__).resolve().parent
 
 
-def start(s: localstack.Stack, workdir: Path, variants: list[tuple[str, Path]], noop: bool,
-          policy_text: str, redis: bool = False, extra: dict[str, list[str]] | None = None
-          ) -> list[overhead.Config]:
+def start(s: localstack.Stack, workdir: Path, variants: list[tuple[str, Path]],
+          noops: list[tuple[str, list[str]]], policy_text: str, redis: bool = False,
+          extra: dict[str, list[str]] | None = None) -> list[overhead.Config]:
     upstream = localstack.free_port()
     up = s.start("upstream", [sys.executable, str(BENCH / "upstream.py"), str(upstream)])
     localstack.wait_http(f"http://127.0.0.1:{upstream}/health", proc=up.popen)
@@ -56,12 +56,16 @@ def start(s: localstack.Stack, workdir: Path, variants: list[tuple[str, Path]], 
     if redis:  # every variant on one redis-server of its own, each under its own prefix
         url, _ = overhead.start_redis(s, workdir)
         store = ["--store", url]
-    if noop:
+    for name, noop_args in noops:
         port = localstack.free_port()
-        proc = s.start("noop", [sys.executable, str(BENCH / "noop_extproc.py"), str(port), "--body", "auto"])
+        proc = s.start(name, [sys.executable, str(BENCH / "noop_extproc.py"), str(port), "--body", "auto",
+                              *noop_args])
         overhead._wait_tcp_started(proc, port)
-        configs.append(overhead.Config("noop", localstack.free_port(), localstack.free_port(),
-                                       {"ext_proc": proc.popen.pid}))
+        cfg = overhead.Config(name, localstack.free_port(), localstack.free_port(),
+                              {"ext_proc": proc.popen.pid})
+        cfg.pids["grpc_port"] = port  # not a pid: popped below
+        cfg.pids["noop"] = 1
+        configs.append(cfg)
     for name, path in variants:
         grpc, http = localstack.free_port(), localstack.free_port()
         # NAME=CHECKOUT[:MORE]: more entries (a sitecustomize probe, say) may follow the checkout.
@@ -77,14 +81,12 @@ def start(s: localstack.Stack, workdir: Path, variants: list[tuple[str, Path]], 
         cfg.pids["grpc_port"] = grpc  # not a pid: popped below
         configs.append(cfg)
     for cfg in configs:
-        port = cfg.pids.pop("grpc_port", None)
-        if port is None:  # the no-op: its port is the one it was started on
-            port = int(Path(f"/proc/{cfg.pids['ext_proc']}/cmdline").read_text().split("\0")[2])
+        port = cfg.pids.pop("grpc_port")
         # The no-op sets no admission metadata: its Envoy runs without the admission gate.
         local = "127.0.0.1"
         envoy_cfg = bootstrap.render(Address(local, cfg.listen), Address(local, cfg.envoy_admin),
                                      Address(local, upstream), Address(local, port),
-                                     fail_open=cfg.key == "noop")
+                                     fail_open=bool(cfg.pids.pop("noop", 0)))
         cfg.pids["envoy"] = s.envoy(envoy_cfg, name=f"envoy-{cfg.key}").popen.pid
     return configs
 
@@ -229,6 +231,9 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the process logs (printed path)")
     parser.add_argument("--extproc-args", action="append", default=[], metavar="NAME=ARGS",
                         help="more extproc serve arguments for one variant (asyncio='--event-loop asyncio')")
+    parser.add_argument("--noop-args", action="append", default=[], metavar="NAME=ARGS",
+                        help="a no-op server more, named NAME, with noop_extproc.py's ARGS "
+                        "(noop_uvloop='--event-loop uvloop')")
     parser.add_argument("--json", type=Path, default=None,
                         help="also write every run and the medians there (with --reps/--parallel)")
     parser.add_argument("--redis", action="store_true",
@@ -236,6 +241,14 @@ def main() -> None:
     args = parser.parse_args()
     variants = [(v.split("=", 1)[0], Path(v.split("=", 1)[1])) for v in args.variant] or [("this", ROOT)]
     serve_args = extproc_args(parser, args.extproc_args, [name for name, _ in variants])
+    noops = [(item.partition("=")[0], shlex.split(item.partition("=")[2])) for item in args.noop_args]
+    if args.noop and "noop" not in [name for name, _ in noops]:
+        noops.insert(0, ("noop", []))
+    taken = [name for name, _ in variants]
+    for name, _ in noops:
+        if not name or name in taken:
+            parser.error(f"--noop-args {name!r}: a name of its own is needed")
+        taken.append(name)
     workdir = Path(tempfile.mkdtemp(prefix="extproc-profile-"))
     closed, paced = workdir / "closed.lua", workdir / "paced.lua"
     common = overhead.LUA_COMMON.replace("@BODY@", overhead.BODY)
@@ -244,14 +257,14 @@ def main() -> None:
     results: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
     try:
         with localstack.stack(workdir) as s:
-            configs = start(s, workdir, variants, args.noop, overhead.POLICY.format(read_body=args.read_body),
+            configs = start(s, workdir, variants, noops, overhead.POLICY.format(read_body=args.read_body),
                             redis=args.redis, extra=serve_args)
             for cfg in configs:
                 print(f"{cfg.key}: {cfg.url} {cfg.pids}", flush=True)
                 overhead.check_path(cfg)
                 overhead.wrk(cfg, closed, duration=2, connections=8, threads=1, args=[])
             if args.profile:
-                cfg = next(c for c in configs if c.key != "noop")
+                cfg = next(c for c in configs if c.key not in dict(noops))
                 out = args.out or workdir
                 out.mkdir(parents=True, exist_ok=True)
                 raw, svg = workdir / "stacks.txt", out / f"profile_flame{args.tag}.svg"
