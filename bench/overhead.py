@@ -369,7 +369,9 @@ def start_stacks(s: localstack.Stack, workdir: Path, params: Params,
             tweak = without_ratelimit
         elif key != "envoy":
             n = int(key.split("_")[1]) if key.startswith("replicas_") else 1
-            extra = ["--log-level", params.extproc_log_level]
+            # Spelled out: an EXTPROC_EVENT_LOOP in the environment must not move extproc off the
+            # loop the no-ops run on.
+            extra = ["--log-level", params.extproc_log_level, "--event-loop", "auto"]
             if key in REDIS_CONFIGS:
                 extra += ["--store", redis_url, "--store-prefix", f"bench-{key}",
                           "--store-fleet-size", str(n)]

@@ -2,7 +2,8 @@
 
 Starts ``bench/upstream.py``, the shipped Envoy config (``localstack.envoy_config``: ratelimit
 filter + ext_proc) in front of one ``extproc serve`` per variant (each its own checkout, put first
-on its PYTHONPATH; by default this checkout), optionally ``bench/noop_extproc.py`` (``--noop``),
+on its PYTHONPATH; by default this checkout), optionally ``bench/noop_extproc.py`` (``--noop``, on
+asyncio's loop; ``--noop-args NAME=ARGS`` for more, e.g. on uvloop's),
 all with the policy ``bench/overhead.py`` uses (one lane whose limits never bind, ``read_body:
 always``). Then
 
@@ -241,7 +242,13 @@ def main() -> None:
     args = parser.parse_args()
     variants = [(v.split("=", 1)[0], Path(v.split("=", 1)[1])) for v in args.variant] or [("this", ROOT)]
     serve_args = extproc_args(parser, args.extproc_args, [name for name, _ in variants])
-    noops = [(item.partition("=")[0], shlex.split(item.partition("=")[2])) for item in args.noop_args]
+    noops: list[tuple[str, list[str]]] = []
+    for item in args.noop_args:
+        name, sep, text = item.partition("=")
+        if not sep or not re.fullmatch(r"[A-Za-z0-9_-]+", name) or name in ("upstream", "redis"):
+            parser.error(f"--noop-args {item!r}: expected NAME=ARGS, NAME of letters, digits, _ and - "
+                         "(not upstream or redis)")
+        noops.append((name, shlex.split(text)))
     if args.noop and "noop" not in [name for name, _ in noops]:
         noops.insert(0, ("noop", []))
     taken = [name for name, _ in variants]
@@ -346,6 +353,7 @@ def main() -> None:
                 "machine": overhead.machine_info(),
                 "variants": {name: {"checkout": str(path), "commit": _commit(path),
                                     "extproc_args": serve_args.get(name, [])} for name, path in variants},
+                "noops": {name: noop_args for name, noop_args in noops},
                 "medians": medians,
                 "runs": results,
             }, indent=1))

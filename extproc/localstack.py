@@ -43,6 +43,8 @@ def free_port() -> int:
             port: int = sock.getsockname()[1]
         if port not in _HANDED_OUT:
             break
+    else:
+        raise RuntimeError("no free loopback port that was not handed out lately (100 tries)")
     _HANDED_OUT[port] = None
     _HANDED_OUT.move_to_end(port)
     while len(_HANDED_OUT) > _HANDED_OUT_KEPT:

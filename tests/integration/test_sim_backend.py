@@ -248,8 +248,6 @@ def test_a_client_that_hangs_up_is_cancelled_in_the_engine(stream: bool, handler
         server.stop()
 
 
-
-
 RUNNER = ("import argparse, sys\nfrom extproc.sim import backend\np = argparse.ArgumentParser()\n"
           "backend.add_arguments(p)\nsys.exit(backend.run(p.parse_args(sys.argv[1:])))")
 
