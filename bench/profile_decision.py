@@ -65,7 +65,6 @@ def start(s: localstack.Stack, workdir: Path, variants: list[tuple[str, Path]],
         cfg = overhead.Config(name, localstack.free_port(), localstack.free_port(),
                               {"ext_proc": proc.popen.pid})
         cfg.pids["grpc_port"] = port  # not a pid: popped below
-        cfg.pids["noop"] = 1
         configs.append(cfg)
     for name, path in variants:
         grpc, http = localstack.free_port(), localstack.free_port()
@@ -87,21 +86,27 @@ def start(s: localstack.Stack, workdir: Path, variants: list[tuple[str, Path]],
         local = "127.0.0.1"
         envoy_cfg = bootstrap.render(Address(local, cfg.listen), Address(local, cfg.envoy_admin),
                                      Address(local, upstream), Address(local, port),
-                                     fail_open=bool(cfg.pids.pop("noop", 0)))
+                                     fail_open=cfg.key in dict(noops))
         cfg.pids["envoy"] = s.envoy(envoy_cfg, name=f"envoy-{cfg.key}").popen.pid
     return configs
 
 
-def extproc_args(parser: argparse.ArgumentParser, given: list[str], names: list[str]) -> dict[str, list[str]]:
-    """``--extproc-args NAME=ARGS`` by variant (repeats add up); an unknown NAME is an error, not a
-    silent A/B of two identical configurations."""
-    extra: dict[str, list[str]] = {}
+def named_args(parser: argparse.ArgumentParser, flag: str, given: list[str],
+               names: list[str] | None = None) -> dict[str, list[str]]:
+    """``FLAG NAME=ARGS`` items by NAME (repeats add up). ``names``: the only NAMEs allowed (else any plain
+    name but upstream and redis, whose log files the stack keeps): a NAME that names nothing is an
+    error, not a silent A/B of two identical configurations."""
+    out: dict[str, list[str]] = {}
     for item in given:
         name, sep, text = item.partition("=")
-        if not sep or name not in names:
-            parser.error(f"--extproc-args {item!r}: expected NAME=ARGS with NAME one of {', '.join(names)}")
-        extra.setdefault(name, []).extend(shlex.split(text))
-    return extra
+        ok = name in names if names is not None else (
+            re.fullmatch(r"[A-Za-z0-9_-]+", name) is not None and name not in ("upstream", "redis"))
+        if not sep or not ok:
+            known = f"one of {', '.join(names)}" if names is not None else \
+                "letters, digits, _ and - (not upstream or redis)"
+            parser.error(f"{flag} {item!r}: expected NAME=ARGS with NAME {known}")
+        out.setdefault(name, []).extend(shlex.split(text))
+    return out
 
 
 def _commit(path: Path) -> str | None:
@@ -241,21 +246,13 @@ def main() -> None:
                         help="extproc on a redis-server this script starts (--store redis://…)")
     args = parser.parse_args()
     variants = [(v.split("=", 1)[0], Path(v.split("=", 1)[1])) for v in args.variant] or [("this", ROOT)]
-    serve_args = extproc_args(parser, args.extproc_args, [name for name, _ in variants])
-    noops: list[tuple[str, list[str]]] = []
-    for item in args.noop_args:
-        name, sep, text = item.partition("=")
-        if not sep or not re.fullmatch(r"[A-Za-z0-9_-]+", name) or name in ("upstream", "redis"):
-            parser.error(f"--noop-args {item!r}: expected NAME=ARGS, NAME of letters, digits, _ and - "
-                         "(not upstream or redis)")
-        noops.append((name, shlex.split(text)))
-    if args.noop and "noop" not in [name for name, _ in noops]:
-        noops.insert(0, ("noop", []))
-    taken = [name for name, _ in variants]
-    for name, _ in noops:
-        if not name or name in taken:
-            parser.error(f"--noop-args {name!r}: a name of its own is needed")
-        taken.append(name)
+    serve_args = named_args(parser, "--extproc-args", args.extproc_args, [name for name, _ in variants])
+    noop_args = named_args(parser, "--noop-args", args.noop_args)
+    if args.noop:
+        noop_args.setdefault("noop", [])
+    if clash := set(noop_args) & {name for name, _ in variants}:
+        parser.error(f"--noop-args: {', '.join(sorted(clash))} is a variant's name already")
+    noops = sorted(noop_args.items(), key=lambda item: item[0] != "noop")  # --noop's first
     workdir = Path(tempfile.mkdtemp(prefix="extproc-profile-"))
     closed, paced = workdir / "closed.lua", workdir / "paced.lua"
     common = overhead.LUA_COMMON.replace("@BODY@", overhead.BODY)
@@ -353,7 +350,7 @@ def main() -> None:
                 "machine": overhead.machine_info(),
                 "variants": {name: {"checkout": str(path), "commit": _commit(path),
                                     "extproc_args": serve_args.get(name, [])} for name, path in variants},
-                "noops": {name: noop_args for name, noop_args in noops},
+                "noops": noop_args,
                 "medians": medians,
                 "runs": results,
             }, indent=1))

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from extproc import __version__
 from extproc.settings import Address, Settings, env, positive_float, positive_int, read_token
@@ -33,16 +34,17 @@ def _admin_token(args: argparse.Namespace) -> str | None:
     return env("ADMIN_TOKEN", "").strip() or None
 
 
-def _one_of(name: str, *allowed: str) -> Callable[[str], str]:
-    """An argparse ``type`` for a choice whose default comes from env ``EXTPROC_<name>``: argparse checks
-    ``choices`` only for values on the command line, but runs ``type`` on a string default too, so a
-    typo in the environment is refused (exit 2) rather than read as some other choice."""
+def _env_choice(name: str, default: str, *allowed: str) -> dict[str, Any]:
+    """``add_argument`` keywords for a choice whose default comes from env ``EXTPROC_<name>``. argparse
+    checks ``choices`` only for values on the command line, but runs ``type`` on a string default too:
+    the check is the ``type``, so a typo in the environment is refused (exit 2) rather than read as some
+    other choice; ``choices`` stays for the help text."""
     def check(value: str) -> str:
         if value not in allowed:
             raise argparse.ArgumentTypeError(
                 f"{value!r} is not one of {', '.join(allowed)} (the flag, or env EXTPROC_{name})")
         return value
-    return check
+    return {"choices": list(allowed), "type": check, "default": env(name, default)}
 
 
 def loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -180,12 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="ext_proc gRPC listen address (env EXTPROC_GRPC; default %(default)s)")
     serve.add_argument("--http", type=_address, default=_address(env("HTTP", "127.0.0.1:9090")),
                        help="metrics/health listen address (env EXTPROC_HTTP; default %(default)s)")
-    serve.add_argument("--log-format", choices=["json", "console"],
-                       type=_one_of("LOG_FORMAT", "json", "console"), default=env("LOG_FORMAT", "json"))
+    serve.add_argument("--log-format", **_env_choice("LOG_FORMAT", "json", "json", "console"))
     serve.add_argument("--log-level", default=env("LOG_LEVEL", "info"))
-    serve.add_argument("--event-loop", choices=["auto", "uvloop", "asyncio"],
-                       type=_one_of("EVENT_LOOP", "auto", "uvloop", "asyncio"),
-                       default=env("EVENT_LOOP", "auto"),
+    serve.add_argument("--event-loop", **_env_choice("EVENT_LOOP", "auto", "auto", "uvloop", "asyncio"),
                        help="the event loop: uvloop's (auto, when installed: less CPU per request) or "
                        "asyncio's (env EXTPROC_EVENT_LOOP; default %(default)s)")
     serve.add_argument("--shutdown-grace", type=float, default=float(env("SHUTDOWN_GRACE", "30")),
@@ -219,8 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="shared store so replicas enforce one set of limits: redis://HOST:PORT/DB, "
                        "rediss://…, redis+sentinel://HOST:PORT/SERVICE (env EXTPROC_STORE; default: this "
                        "replica alone)")
-    serve.add_argument("--store-fail", choices=["open", "closed"],
-                       type=_one_of("STORE_FAIL", "open", "closed"), default=env("STORE_FAIL", "open"),
+    serve.add_argument("--store-fail", **_env_choice("STORE_FAIL", "open", "open", "closed"),
                        help="while the store is unreachable: admit within this replica's share of the "
                        "limits (open) or admit nothing (closed) (env EXTPROC_STORE_FAIL; "
                        "default %(default)s)")
@@ -229,8 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="how many replicas share the store: one that starts while the store is "
                        "unreachable takes only 1/N of the limits, not all of them (env "
                        "EXTPROC_STORE_FLEET_SIZE; default %(default)s)")
-    serve.add_argument("--store-share", choices=["fleet", "replica"],
-                       type=_one_of("STORE_SHARE", "fleet", "replica"), default=env("STORE_SHARE", "fleet"),
+    serve.add_argument("--store-share", **_env_choice("STORE_SHARE", "fleet", "fleet", "replica"),
                        help="with a store, tenant budgets, the retry budget and tenants' fair shares are one "
                        "for the fleet (fleet) or each replica's own (replica: as before they were shared) "
                        "(env EXTPROC_STORE_SHARE; default %(default)s)")

@@ -45,8 +45,7 @@ def free_port() -> int:
             break
     else:
         raise RuntimeError("no free loopback port that was not handed out lately (100 tries)")
-    _HANDED_OUT[port] = None
-    _HANDED_OUT.move_to_end(port)
+    _HANDED_OUT[port] = None  # (new: at the end, the newest)
     while len(_HANDED_OUT) > _HANDED_OUT_KEPT:
         _HANDED_OUT.popitem(last=False)
     return port

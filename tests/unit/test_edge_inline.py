@@ -96,9 +96,7 @@ class Stack:
         body.request_body.end_of_stream = True
         response = pb.ProcessingRequest()
         response.response_headers.headers.headers.add(key=":status", raw_value=b"200")
-        sent = [head, body, response] if with_body else [head, response]
-        if not body_comes:
-            sent = [head]
+        sent = [head] if not body_comes else [head, body, response] if with_body else [head, response]
         answers: list[pb.ProcessingResponse] = []
 
         async def messages() -> AsyncIterator[pb.ProcessingRequest]:
