@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 .PHONY: setup system-deps demo serve test lint unit integration e2e protos clean
 
 # Debian packages the tests use, as command:package. Installed when missing (as root, or with sudo).
-SYSTEM_TOOLS := docker-compose:docker-compose promtool:prometheus redis-server:redis-server tmux:tmux
+SYSTEM_TOOLS := docker-compose:docker-compose promtool:prometheus redis-server:redis-server tmux:tmux wrk:wrk
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)

@@ -19,12 +19,17 @@ the engines' KV-cache usage from it) and `extproc serve` — under the demo's ch
   side (the signal goes stale and is ignored), leaks.
 * cancels — 10,000 requests whose clients go away at random moments (while queued, while
   streaming, right after sending): extproc's in-flight and queued counts drop to 0.
-* soak — 30 minutes at 2.0x (``--soak-minutes``): extproc's RSS and open files, start (after a
-  warm-up) and end.
+* soak — 30 minutes at 2.0x (``--soak-minutes``): extproc's RSS and open files, sampled every 30 s
+  with the requests Envoy received so far; after a warm-up, the RSS growth and the least-squares slope
+  of RSS over requests (``bytes_per_request``; targets: growth ≤ 3 %, ≤ 10 bytes per request).
+* soak_fast — 550 requests/s (``--fast-rate``) through Envoy to the instant upstream
+  (bench/upstream.py) for 15 minutes (``--fast-minutes``), every request through the whole decision
+  path and logged: the same measurements and targets, at ten times the soak's rate.
 
 Writes bench/results/chaos.json (and chaos.png: in-flight over time in the Redis outage).
 
-    .venv/bin/python bench/chaos.py                 # everything, ~40 minutes with the soak
+    .venv/bin/python bench/chaos.py                 # everything, ~60 minutes with both soaks
+    .venv/bin/python bench/chaos.py --only soak soak_fast   # the memory soaks (~50 minutes)
     .venv/bin/python bench/chaos.py --only redis_outage bad_policy --soak-minutes 0
 """
 
@@ -40,6 +45,7 @@ import random
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -67,7 +73,7 @@ PROFILE, TIME_SCALE = "llama-70b-2xh100", 0.1
 WORKLOAD = ROOT / "examples" / "workloads" / "chatbot.yaml"
 POLICY = ROOT / "examples" / "demo-policy.yaml"
 SCENARIOS = ("extproc_sigkill", "redis_outage", "redis_outage_closed", "bad_policy", "prometheus_outage",
-             "cancels", "soak")
+             "cancels", "soak", "soak_fast")
 
 
 def log(message: str) -> None:
@@ -135,6 +141,7 @@ class Bench:
     prometheus_port: int = 0
     replicas: list[Replica] = field(default_factory=list)
     envoy_port: int = 0
+    envoy_admin: int = 0
 
     def __post_init__(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -248,9 +255,15 @@ class Bench:
                                                                      "port_value": port}}}}
                         for port in grpc_ports]
 
-        self.envoy_port, admin = free_port(), free_port()
-        self.stack.envoy(localstack.envoy_config(self.envoy_port, admin, self.backend, grpc_ports[0],
-                                                 tweak=every_replica))
+        self.envoy_port, self.envoy_admin = free_port(), free_port()
+        self.stack.envoy(localstack.envoy_config(self.envoy_port, self.envoy_admin, self.backend,
+                                                 grpc_ports[0], tweak=every_replica))
+
+    def envoy_counter(self, name: str) -> int:
+        """One of Envoy's counters (e.g. ``http.inference.downstream_rq_total``), from its admin port."""
+        text = httpx.get(f"http://127.0.0.1:{self.envoy_admin}/stats?filter=^{re.escape(name)}$",
+                         timeout=5).text
+        return int(text.split(":", 1)[1]) if ":" in text else 0
 
     @property
     def url(self) -> str:
@@ -666,7 +679,52 @@ def cancels(workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
                 "stream_errors": metric_sum(replica.metrics, "extproc_stream_errors_total")}
 
 
+#: Memory bounds of the soaks (issue "Runs for weeks"): after the warm-up, RSS grows by at most this
+#: share, and the least-squares slope of RSS over requests stays under this many bytes per request.
+SOAK_MAX_GROWTH = 0.03
+SOAK_MAX_BYTES_PER_REQUEST = 10.0
+#: How often the soaks sample RSS, open files and Envoy's request count.
+SOAK_SAMPLE_S = 30.0
+
+
+def slope(xs: list[float], ys: list[float]) -> float:
+    """The least-squares slope of ys over xs (0 with fewer than two distinct xs)."""
+    if len(set(xs)) < 2:
+        return 0.0
+    return statistics.linear_regression(xs, ys).slope
+
+
+def memory_verdict(series: list[dict[str, float]], warmup: float) -> dict[str, Any]:
+    """From the samples after the warm-up: RSS at its start and end, the growth, and the slope of RSS over
+    the requests Envoy received, in bytes per request (the samples keep both, so it can be recomputed)."""
+    after = [s for s in series if s["t"] >= warmup]
+    if len(after) < 2:
+        return {"bytes_per_request": None, "growth": None}
+    start, end = after[0], after[-1]
+    per_request = slope([s["requests"] for s in after], [s["rss_mb"] * 1024 * 1024 for s in after])
+    growth = (end["rss_mb"] - start["rss_mb"]) / start["rss_mb"]
+    return {"rss_mb_start": start["rss_mb"], "rss_mb_end": end["rss_mb"],
+            "requests_after_warmup": end["requests"] - start["requests"],
+            "bytes_per_request": round(per_request, 2), "growth": round(growth, 4),
+            "targets": {"growth_at_most": SOAK_MAX_GROWTH,
+                        "bytes_per_request_at_most": SOAK_MAX_BYTES_PER_REQUEST,
+                        "met": growth <= SOAK_MAX_GROWTH and per_request <= SOAK_MAX_BYTES_PER_REQUEST}}
+
+
+async def sample_memory(b: Bench, pid: int, duration: float, series: list[dict[str, float]]) -> None:
+    """Every SOAK_SAMPLE_S: extproc's RSS and open files, and the requests Envoy received so far."""
+    origin = time.monotonic()
+    while True:
+        requests = await asyncio.to_thread(b.envoy_counter, "http.inference.downstream_rq_total")
+        series.append({"t": round(time.monotonic() - origin, 1), "rss_mb": round(rss_mb(pid), 3),
+                       "fds": open_files(pid), "requests": requests})
+        if time.monotonic() - origin >= duration:
+            return
+        await asyncio.sleep(min(SOAK_SAMPLE_S, max(0.0, duration - (time.monotonic() - origin))))
+
+
 def soak(workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The chatbot workload at 2x through Envoy for ``--soak-minutes``: does extproc's memory stay flat?"""
     minutes = args.soak_minutes
     with bench(workdir) as b:
         b.start_backend()
@@ -674,43 +732,112 @@ def soak(workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
         b.start_prometheus()
         replica = b.start_extproc("extproc", b.policy(), "--store", b.store)
         b.start_envoy()
-        warmup = min(120.0, minutes * 60 * 0.1)
         duration = minutes * 60.0
+        warmup = min(120.0, duration * 0.2)
         requests = workload(2.0, duration, args.seed)
         pid = replica.process.popen.pid
-        marks: dict[str, Any] = {}
-
-        def start_mark() -> None:
-            marks["rss_mb_start"], marks["fds_start"] = rss_mb(pid), open_files(pid)
-            log(f"soak: warm-up over, RSS {marks['rss_mb_start']:.1f} MB, {marks['fds_start']} open files")
-
-        def end_mark() -> None:
-            marks["rss_mb_end"], marks["fds_end"] = rss_mb(pid), open_files(pid)
-
         series: list[dict[str, float]] = []
 
-        async def watch() -> None:
-            origin = time.monotonic()
-            while time.monotonic() - origin < duration:
-                series.append({"t": round(time.monotonic() - origin, 1), "rss_mb": round(rss_mb(pid), 2),
-                               "fds": open_files(pid)})
-                await asyncio.sleep(30)
-
         async def both() -> list[Outcome]:
-            watcher = asyncio.create_task(watch())
+            watcher = asyncio.create_task(sample_memory(b, pid, duration, series))
             try:
-                out: list[Outcome] = await drive(b.url, requests, events={warmup: start_mark,
-                                                                          duration - 1: end_mark},
-                                                 drain=120.0)
+                out: list[Outcome] = await drive(b.url, requests, drain=120.0)
                 return out
             finally:
-                watcher.cancel()
+                await watcher
 
         outcomes = run_async(both())
         left = wait_idle([replica])
-        return {"minutes": minutes, "load": 2.0, "warmup_s": warmup, **marks,
+        verdict = memory_verdict(series, warmup)
+        log(f"soak: {json.dumps(verdict)}")
+        return {"minutes": minutes, "load": 2.0, "warmup_s": warmup, **verdict,
+                "fds_start": series[0]["fds"], "fds_end": series[-1]["fds"],
                 "requests": len(outcomes), "statuses": _count(o.status for o in outcomes),
                 "leaked_slots": int(left), "series": series}
+
+
+#: The fast soak's policy: limits that never bind, the body read, one decision line per request (as
+#: deployed): every request goes through the whole decision path.
+FAST_POLICY = {
+    "version": 1,
+    "lanes": [{"name": "default", "max_inflight": 10000, "max_queued": 10000, "deadline": "30s"}],
+    "classification": {"default_lane": "default"},
+    "estimation": {"read_body": "always"},
+}
+FAST_BODY = '{"model":"soak","messages":[{"role":"user","content":"Say hello."}],"max_tokens":16}'
+#: wrk at a fixed rate: each connection sends its next request at the next slot of its own schedule.
+FAST_LUA = r"""
+wrk.method = "POST"
+wrk.body = [==[@BODY@]==]
+wrk.headers["Content-Type"] = "application/json"
+local interval, next_at
+local ffi = require("ffi")
+ffi.cdef[[
+typedef struct { long tv_sec; long tv_nsec; } soak_timespec;
+int clock_gettime(int clk, soak_timespec *tp);
+]]
+local ts = ffi.new("soak_timespec")
+local function now_ms()
+  ffi.C.clock_gettime(1, ts)
+  return tonumber(ts.tv_sec) * 1000 + tonumber(ts.tv_nsec) / 1e6
+end
+function init(args) interval = 1000 / tonumber(args[1]) end
+function delay()
+  local t = now_ms()
+  if next_at == nil then next_at = t end
+  local slot = next_at
+  next_at = next_at + interval
+  if slot <= t then return 0 end
+  return math.floor(slot - t + 0.5)
+end
+"""
+
+
+def soak_fast(workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """``--fast-rate`` requests/s (default 550) through Envoy (the shipped config) to the instant upstream
+    (bench/upstream.py) for ``--fast-minutes``: extproc's memory per request, at ten times the soak's rate."""
+    minutes, rate = args.fast_minutes, args.fast_rate
+    with bench(workdir) as b:
+        upstream = free_port()
+        b.stack.start("upstream", [sys.executable, str(ROOT / "bench" / "upstream.py"), str(upstream)])
+        wait_http(f"http://127.0.0.1:{upstream}/health", proc=b.stack.processes[-1].popen)
+        b.backend = upstream
+        policy = workdir / "policy.yaml"
+        policy.write_text(yaml.safe_dump(FAST_POLICY, sort_keys=False))
+        # (At info: a decision line for every request, as deployed.)
+        replica = b.start_extproc("extproc", policy, "--log-level", "info")
+        b.start_envoy()
+        script = workdir / "paced.lua"
+        script.write_text(FAST_LUA.replace("@BODY@", FAST_BODY))
+        duration = minutes * 60.0
+        warmup = min(120.0, duration * 0.2)
+        connections = 32
+        pid = replica.process.popen.pid
+        series: list[dict[str, float]] = []
+
+        async def run() -> str:
+            watcher = asyncio.create_task(sample_memory(b, pid, duration, series))
+            try:
+                # (One wrk thread: its one schedule paces every connection, rate requests a second.)
+                proc = await asyncio.create_subprocess_exec(
+                    "wrk", "-t1", f"-c{connections}", f"-d{duration:g}s", "--timeout", "5s",
+                    "-s", str(script), f"{b.url}/v1/chat/completions", "--", str(rate),
+                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+                out, _ = await proc.communicate()
+                return out.decode(errors="replace")
+            finally:
+                await watcher
+
+        wrk_out = run_async(run())
+        left = wait_idle([replica])
+        verdict = memory_verdict(series, warmup)
+        admitted = metric_sum(replica.metrics, "inference_admission_decisions_total", outcome="admitted")
+        requests = series[-1]["requests"]
+        log(f"soak_fast: {requests} requests, {json.dumps(verdict)}")
+        return {"minutes": minutes, "rate": rate, "connections": connections, "warmup_s": warmup, **verdict,
+                "requests": requests, "achieved_rate": round(requests / max(series[-1]["t"], 1.0), 1),
+                "admitted": int(admitted), "fds_start": series[0]["fds"], "fds_end": series[-1]["fds"],
+                "leaked_slots": int(left), "wrk": wrk_out.strip().splitlines()[-6:], "series": series}
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -737,17 +864,29 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def code_version() -> dict[str, Any]:
+    """The commit this ran on, and the paths that differed from it (none: the commit's own code)."""
+    def git(*argv: str) -> str:
+        run = subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True, check=False)
+        return run.stdout.strip() if run.returncode == 0 else ""
+    changed = [line[3:] for line in git("status", "--porcelain").splitlines() if line.strip()]
+    return {"commit": git("rev-parse", "HEAD") or None, "changed_paths": changed}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="+", choices=SCENARIOS, help="run only these scenarios")
     parser.add_argument("--load", type=float, default=1.5, help="multiple of the engine's capacity")
     parser.add_argument("--soak-minutes", type=float, default=30.0, help="0 skips the soak")
+    parser.add_argument("--fast-minutes", type=float, default=15.0, help="the fast soak's length; 0 skips it")
+    parser.add_argument("--fast-rate", type=float, default=550.0, help="the fast soak's requests per second")
     parser.add_argument("--cancels", type=int, default=10_000)
     parser.add_argument("--seed", type=int, default=11)
     parser.add_argument("--out", default=str(RESULTS / "chaos"))
     args = parser.parse_args()
-    chosen = [s for s in (args.only or SCENARIOS) if not (s == "soak" and args.soak_minutes <= 0)]
+    skipped = {"soak": args.soak_minutes <= 0, "soak_fast": args.fast_minutes <= 0}
+    chosen = [s for s in (args.only or SCENARIOS) if not skipped.get(s, False)]
     out = Path(args.out)
     previous: dict[str, Any] = {}
     if out.with_suffix(".json").exists() and args.only:
@@ -755,6 +894,7 @@ def main() -> int:
     result: dict[str, Any] = dict(previous)
     result["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(),
                          "load_avg_at_start": os.getloadavg()}
+    result["code"] = code_version()
     with tempfile.TemporaryDirectory(prefix="extproc-chaos-") as tmp:
         for name in chosen:
             log(f"scenario {name}")

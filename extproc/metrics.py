@@ -180,6 +180,12 @@ class Metrics:
             "extproc_stream_errors", "ext_proc streams that ended abnormally, by kind.", ["kind"],
             registry=registry,
         )
+        self.resets_after_close = Counter(
+            "extproc_stream_resets_after_close", "ext_proc streams that Envoy reset right after closing "
+            "them (sampled): its runtime flag envoy.reloadable_features.ext_proc_graceful_grpc_close is off, "
+            "and each such stream can cost extproc ~120 bytes that are never freed (grpc/grpc#43360).",
+            registry=registry,
+        )
         self.intake_rejections = Counter(
             "extproc_intake_rejections", "Requests refused before classification, by reason (bad_request: a "
             "header classification reads came twice; body_timeout; slow_bodies).", ["reason"],

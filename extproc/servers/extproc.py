@@ -247,6 +247,47 @@ class SlowBodies:
         return sum(len(w) for w in self._waiting.values())
 
 
+class Linger:
+    """Whether a stream that ended cleanly waits a few turns of the event loop before its final status.
+
+    Why: grpc.aio never frees the operation array of a batch that fails (grpc/grpc#43360; fixes
+    proposed in grpc/grpc#43361 and #43409, unreleased as of grpcio 1.85): sending the final status
+    on a call the peer has already reset fails, and leaks ~120 bytes per stream. An Envoy without
+    ``envoy.reloadable_features.ext_proc_graceful_grpc_close`` (the shipped configs set it) ends every
+    stream by half-closing and resetting it at once. Lingering a few turns lets that reset arrive
+    first: grpc.aio then cancels the handler, sends nothing, and nothing leaks. A stream whose client
+    goes away mid-request still leaks its pending read; only a grpcio release with the fix ends that,
+    and then this class can go.
+
+    Against an Envoy that ends streams gracefully no linger is ever cut short, and lingering on every
+    stream would only cost CPU: after ``CALM`` lingers in a row that no reset cut, only one stream in
+    ``PROBE`` lingers, to notice an Envoy that changed (one cut brings lingering back for every stream).
+    """
+
+    #: Turns of the event loop: the reset comes in the same read as the half-close, a turn or two later.
+    YIELDS = 3
+    CALM = 256
+    PROBE = 64
+
+    __slots__ = ("_calm", "_seen")
+
+    def __init__(self) -> None:
+        self._calm = 0
+        self._seen = 0
+
+    def wanted(self) -> bool:
+        if self._calm < self.CALM:
+            return True
+        self._seen += 1
+        return self._seen % self.PROBE == 0
+
+    def calm(self) -> None:
+        self._calm += 1
+
+    def cut(self) -> None:
+        self._calm = 0
+
+
 class _Request:
     """One HTTP request's life on one ext_proc stream."""
 
@@ -550,6 +591,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         self.controller = controller
         self.intake = Intake(controller.policy, controller.scheduler.estimator)
         self.slow = SlowBodies()
+        self.linger = Linger()
         # One key for the process's life: a value hashes alike before and after a reload.
         self._log_key = log_key or secrets.token_bytes(32)
         self.redactor = Redactor(controller.policy, self._log_key)
@@ -642,6 +684,15 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         finally:
             # Runs on normal end, client reset (CancelledError) and errors alike.
             request.finish(aborted=aborted)
+        if self.linger.wanted():
+            try:
+                for _ in range(Linger.YIELDS):
+                    await asyncio.sleep(0)
+            except asyncio.CancelledError:
+                self.linger.cut()
+                controller.metrics.resets_after_close.inc()
+                raise
+            self.linger.calm()
 
     async def _body(self, request: _Request, messages: AsyncIterator[pb.ProcessingRequest]
                     ) -> pb.ProcessingRequest | None:

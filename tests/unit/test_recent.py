@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.core.recent import ADMIT, REJECT, SHADOW, Recent, quantile
+from extproc.core.recent import ADMIT, REJECT, SHADOW, WAITS_PER_SECOND, Recent, quantile, weighted_quantile
 
 
 def test_rates_and_percentiles_over_the_window() -> None:
@@ -48,3 +48,37 @@ def test_quantile_is_nearest_rank() -> None:
     assert quantile([1.0], 0.95) == 1.0
     assert quantile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.0
     assert quantile([1.0, 2.0, 3.0, 4.0], 0.95) == 4.0
+
+
+def test_memory_is_bounded_by_the_window_not_the_rate() -> None:
+    # 10,000 decisions a second for two minutes: a record per decision would hold 600,000.
+    r = Recent(window_s=60.0)
+    for i in range(1_200_000):
+        r.add("a", ADMIT if i % 10 else REJECT, i / 10_000, wait=(i % 1000) / 1000)
+    assert r.records() <= 61 * (1 + WAITS_PER_SECOND)
+    a = r.summary(120.0)["a"]
+    # The rates stay exact; the percentiles come from the sample, within a few per cent.
+    assert a.admit_per_s == pytest.approx(9_000.0, rel=0.02)
+    assert a.reject_per_s == pytest.approx(1_000.0, rel=0.02)
+    assert a.wait_p50 == pytest.approx(0.5, abs=0.05)
+    assert a.wait_p95 == pytest.approx(0.95, abs=0.03)
+
+
+def test_a_busy_second_weighs_as_much_as_its_traffic() -> None:
+    # One second of 10,000 short waits, one of 10 long ones: the long ones are 0.1 % of the traffic,
+    # so they must not reach the median although each second keeps the same number of samples.
+    r = Recent(window_s=60.0)
+    for i in range(10_000):
+        r.add("a", ADMIT, 1.0 + i / 10_001, wait=0.001)
+    for i in range(10):
+        r.add("a", ADMIT, 2.0 + i / 11, wait=9.0)
+    a = r.summary(3.0)["a"]
+    assert (a.wait_p50, a.wait_p95) == (0.001, 0.001)
+
+
+def test_weighted_quantile_with_unit_weights_is_nearest_rank() -> None:
+    for n in (1, 2, 3, 7, 100):
+        values = [float(v) for v in range(n)]
+        for q in (0.0, 0.5, 0.95, 1.0):
+            assert weighted_quantile([(v, 1.0) for v in values], q) == quantile(values, q)
+    assert weighted_quantile([], 0.5) is None
