@@ -1454,6 +1454,11 @@ ALERT_CASES: dict[str, tuple[dict[str, str], str, list[dict[str, str]]]] = {
                                  "10m", [{"severity": "critical"}]),
     "ExtprocSlotsReclaimed": ({"extproc_slots_reclaimed_total": "0x5 2x20"},
                               "10m", [{"severity": "warning"}]),
+    "ExtprocStreamsResetAfterClose": ({
+        # Pod a: a proxy without the flag (every stream, 5 a minute); pod b: 3 stray resets (a stop).
+        'extproc_stream_resets_after_close_total{namespace="extproc",pod="a"}': "0+5x40",
+        'extproc_stream_resets_after_close_total{namespace="extproc",pod="b"}': "0x5 3x35",
+    }, "30m", [{"namespace": "extproc", "pod": "a", "severity": "warning"}]),
     "ExtprocPolicyReloadFailing": ({
         # Pod a has had a bad file for 10 minutes; pod b for 3 (still pending: `for: 5m`);
         # pod c had one for 3 minutes, then a fixed file.
