@@ -617,6 +617,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         controller = self.controller
         aborted = True
         messages = aiter(request_iterator)
+        #: A read begun while the request was held (see _held), consumed before any new read.
+        pending: asyncio.Future[pb.ProcessingRequest | None] | None = None
         try:
             while True:
                 if request.waiting_body:
@@ -626,6 +628,11 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                             yield request.refuse(Reason.BODY_TIMEOUT, None)
                         break
                     message = got
+                elif pending is not None:
+                    read, pending = await pending, None
+                    if read is None:
+                        break
+                    message = read
                 else:
                     try:
                         message = await anext(messages)
@@ -665,7 +672,15 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                                 # but the timeout from it. The final answer carries it.)
                                 yield request.hold(decision)
                                 held = True
-                            decision = await controller.wait(decision.ticket)
+                            if pending is None:
+                                pending = asyncio.ensure_future(_next(messages))
+                            got = await self._held(decision, pending)
+                            if got is None:
+                                # The stream ended while the request was held: its client is gone
+                                # (finish() cancels the ticket, as for a reset).
+                                aborted = False
+                                return
+                            decision = got
                         if decision.outcome is Outcome.ADMITTED and controller.ledger is not None:
                             # Several replicas: the shared ledger has the last word on the slot.
                             decision = await controller.confirm(decision)
@@ -682,6 +697,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
             structlog.get_logger("extproc").exception("ext_proc stream failed")
             raise
         finally:
+            if pending is not None and not pending.done():
+                pending.cancel()
             # Runs on normal end, client reset (CancelledError) and errors alike.
             request.finish(aborted=aborted)
         if self.linger.wanted():
@@ -693,6 +710,30 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                 controller.metrics.resets_after_close.inc()
                 raise
             self.linger.calm()
+
+    async def _held(self, decision: Decision, pending: asyncio.Future[pb.ProcessingRequest | None]
+                    ) -> Decision | None:
+        """Wait for a held request's slot, or for its stream to end first (None: the client left).
+
+        Why the stream too: an Envoy that ends ext_proc streams gracefully (the shipped configs, see
+        envoy/envoy.yaml's layered_runtime) half-closes the stream of a request whose client went away
+        and waits for extproc's status, rather than resetting it; nothing would cancel this wait, and
+        the request would keep its place until admitted. The read is not cancelled when the slot
+        comes first (grpc.aio leaks a cancelled read, grpc/grpc#43360): the stream's next message is
+        taken from it."""
+        waiter = asyncio.ensure_future(self.controller.wait(decision.ticket))
+        try:
+            while not waiter.done():
+                await asyncio.wait((waiter, pending), return_when=asyncio.FIRST_COMPLETED)
+                if not waiter.done() and pending.done():
+                    if pending.exception() is None and pending.result() is None:
+                        return None  # (half-closed: the client is gone)
+                    # (Anything else while held, never sent by Envoy, is read once the answer went.)
+                    return await waiter
+            return waiter.result()
+        finally:
+            if not waiter.done():
+                waiter.cancel()
 
     async def _body(self, request: _Request, messages: AsyncIterator[pb.ProcessingRequest]
                     ) -> pb.ProcessingRequest | None:
@@ -710,6 +751,14 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
             self.slow.leave(request.client, id(request))
             request.waiting_body = False
             return None
+
+
+async def _next(messages: AsyncIterator[pb.ProcessingRequest]) -> pb.ProcessingRequest | None:
+    """The stream's next message; None at its end."""
+    try:
+        return await anext(messages)
+    except StopAsyncIteration:
+        return None
 
 
 def _passthrough(kind: str | None) -> pb.ProcessingResponse:

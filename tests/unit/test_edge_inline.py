@@ -100,8 +100,11 @@ class Stack:
         answers: list[pb.ProcessingResponse] = []
 
         async def messages() -> AsyncIterator[pb.ProcessingRequest]:
-            # Each message once the one before is answered, as Envoy sends them; none after a refusal.
-            for message in sent:
+            # Each message once the one before is answered, as Envoy sends them (a hold's timeout
+            # override is no answer: nothing more comes while a request is held); none after a refusal.
+            for i, message in enumerate(sent):
+                while i and (len(answers) < i or answers[-1].HasField("override_message_timeout")):
+                    await asyncio.sleep(0.001)
                 if answers and answers[-1].HasField("immediate_response"):
                     return
                 if message is response and hold is not None:
