@@ -14,8 +14,11 @@ pytestmark = pytest.mark.e2e
 
 def test_demo_extproc_keeps_interactive_ttft_below_the_baseline(tmp_path: Path) -> None:
     out = tmp_path / "demo"
+    # 15 s of arrivals: shorter runs end before the unprotected backlog has grown (at 8-12 s its TTFT
+    # p99 can still beat extproc's). A 4 s drain: what is unanswered by then missed any interactive
+    # SLO anyway, and only the unprotected run ever waits it out.
     result = subprocess.run(
-        [sys.executable, "-m", "extproc", "demo", "--duration", "15", "--load", "2", "--drain", "8",
+        [sys.executable, "-m", "extproc", "demo", "--duration", "15", "--load", "2", "--drain", "4",
          "--out", str(out)],
         capture_output=True, text=True, timeout=300,
     )

@@ -26,9 +26,12 @@ CHATBOT = ROOT / "examples" / "workloads" / "chatbot.yaml"
 AZURE = ROOT / "tests" / "data" / "traces" / "azure-2023-conv-excerpt.csv"
 
 
-@pytest.fixture
-def demo(tmp_path: Path) -> Iterator[tuple[str, Process, Stack]]:
-    stack = Stack(tmp_path)
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Process, Stack]]:
+    """One demo stack for the module. The bad-line test only reads through it; the replay test,
+    last, stops it (extproc writes its last records as its streams end) and counts at least its own
+    requests in the log."""
+    stack = Stack(tmp_path_factory.mktemp("demo"))
     try:
         gateway = stack.gateway(POLICY, "llama-70b-2xh100", 0.1, backend_args=["--log-level", "warning"],
                                 extproc_args=["--log-level", "info"])
@@ -43,6 +46,23 @@ def load(target: str, trace: Path, out: Path, *extra: str) -> subprocess.Complet
         [sys.executable, "-m", "extproc", "sim", "load", "--target", target, "--trace", str(trace),
          "--workload", str(CHATBOT), "--rate", "30", "--drain-timeout", "30", "--json", str(out), *extra],
         capture_output=True, text=True, timeout=240)
+
+
+def test_a_bad_line_stops_the_live_replay_naming_it_or_is_skipped(
+        demo: tuple[str, Process, Stack], tmp_path: Path) -> None:
+    target, _, _ = demo
+    lines = AZURE.read_text().splitlines()[:41]
+    lines[30] = "2023-11-16 18:16:00.0000000,lots,3"
+    bad = tmp_path / "bad.csv"
+    bad.write_text("\n".join(lines) + "\n")
+    result = load(target, bad, tmp_path / "bad.json")
+    assert result.returncode == 2
+    assert "bad.csv:31: not an Azure trace row" in result.stderr
+    assert "Traceback" not in result.stderr
+    skipped = load(target, bad, tmp_path / "skipped.json", "--skip-bad")
+    assert skipped.returncode == 0, skipped.stderr
+    assert "skipped 1 malformed lines" in skipped.stderr
+    assert json.loads((tmp_path / "skipped.json").read_text())["requests"] == 39
 
 
 def test_a_public_trace_replays_live_and_its_decision_log_replays_offline(
@@ -71,20 +91,3 @@ def test_a_public_trace_replays_live_and_its_decision_log_replays_offline(
     sim = json.loads(sim_out.read_text())
     assert sim["trace"]["format"] == "decision-log"
     assert sim["requests"] >= 150  # every attempt the live service decided
-
-
-def test_a_bad_line_stops_the_live_replay_naming_it_or_is_skipped(
-        demo: tuple[str, Process, Stack], tmp_path: Path) -> None:
-    target, _, _ = demo
-    lines = AZURE.read_text().splitlines()[:41]
-    lines[30] = "2023-11-16 18:16:00.0000000,lots,3"
-    bad = tmp_path / "bad.csv"
-    bad.write_text("\n".join(lines) + "\n")
-    result = load(target, bad, tmp_path / "bad.json")
-    assert result.returncode == 2
-    assert "bad.csv:31: not an Azure trace row" in result.stderr
-    assert "Traceback" not in result.stderr
-    skipped = load(target, bad, tmp_path / "skipped.json", "--skip-bad")
-    assert skipped.returncode == 0, skipped.stderr
-    assert "skipped 1 malformed lines" in skipped.stderr
-    assert json.loads((tmp_path / "skipped.json").read_text())["requests"] == 39

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from extproc.localstack import Stack, envoy_config, free_port, stack
+from extproc.localstack import Process, Stack, envoy_config, free_port, stack, wait_http
 from tests.integration.kueue_exporter import Exporter
 
 UPSTREAM = Path(__file__).with_name("upstream.py")
@@ -71,20 +71,29 @@ class Env:
         raise AssertionError(f"extproc still busy after {timeout}s: {busy}")
 
 
+def ready(process: Process, url: str) -> None:
+    """Wait until ``process`` answers 200 on ``url``; if it never does, fail with its output."""
+    try:
+        wait_http(url, proc=process.popen)
+    except (RuntimeError, TimeoutError) as exc:
+        raise RuntimeError(f"{process.name} did not start: {exc}\n{process.output()[-3000:]}") from None
+
+
 def start_env(workdir: Path, policy: Path, *, extproc_args: tuple[str, ...] = (),
               tweak: Callable[[dict[str, Any]], None] | None = None) -> tuple[Stack, Env]:
     s = Stack(workdir)
     try:
+        # The three start side by side (each knows the others' ports up front; Envoy connects to
+        # its upstream and to extproc only when a request comes), then each is waited for.
         upstream = free_port()
-        s.start("upstream", [sys.executable, str(UPSTREAM), str(upstream)])
-        from extproc.localstack import wait_http
-
-        wait_http(f"http://127.0.0.1:{upstream}/stats", proc=s.processes[-1].popen)
+        echo = s.start("upstream", [sys.executable, str(UPSTREAM), str(upstream)])
         grpc, http, admin_port, admin_grpc = free_port(), free_port(), free_port(), free_port()
-        s.extproc(policy, grpc, http, "--seed", "7", "--log-format", "json", *extproc_args, admin=admin_port,
-                  admin_grpc=admin_grpc)
+        extproc = s.extproc(policy, grpc, http, "--seed", "7", "--log-format", "json", *extproc_args,
+                            admin=admin_port, admin_grpc=admin_grpc, wait=False)
         listen, admin = free_port(), free_port()
         s.envoy(envoy_config(listen, admin, upstream, grpc, tweak=tweak))
+        ready(echo, f"http://127.0.0.1:{upstream}/stats")
+        ready(extproc, f"http://127.0.0.1:{http}/readyz")
     except BaseException:
         s.stop()
         raise

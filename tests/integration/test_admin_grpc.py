@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -24,7 +24,7 @@ from extproc.admin import STATE_VERSION
 from extproc.api.admin.v1 import admin_pb2 as pb
 from extproc.api.admin.v1 import admin_pb2_grpc as pb_grpc
 from extproc.api.document import from_document, to_document
-from tests.integration.conftest import Env
+from tests.integration.conftest import Env, start_env
 
 pytestmark = pytest.mark.envoy
 
@@ -74,6 +74,19 @@ def post(env: Env, path: str = "/v1/x", delay_ms: int = 0) -> httpx.Response:
                       timeout=30)
 
 
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    """One stack with POLICY for the tests that change nothing in it (the others make their own)."""
+    workdir = tmp_path_factory.mktemp("admin")
+    policy = workdir / "policy.yaml"
+    policy.write_text(POLICY)
+    stack, environment = start_env(workdir, policy)
+    try:
+        yield environment
+    finally:
+        stack.stop()
+
+
 def wait_for(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not check():
@@ -81,8 +94,7 @@ def wait_for(check: Callable[[], bool], what: str, timeout: float = 10.0) -> Non
         time.sleep(0.05)
 
 
-def test_get_state_is_the_document_the_http_port_serves(make_env: Callable[..., Env]) -> None:
-    env = make_env(POLICY)
+def test_get_state_is_the_document_the_http_port_serves(env: Env) -> None:
     with ThreadPoolExecutor(3) as pool:
         running = [pool.submit(post, env, "/v1/x", 800) for _ in range(3)]
         wait_for(lambda: env.metric("inference_pending_requests", lane="a") == 1, "one request to queue")
@@ -155,8 +167,7 @@ def test_with_a_token_every_call_needs_it(make_env: Callable[..., Env],
     assert post(env).status_code == 200
 
 
-def test_browsers_are_refused(make_env: Callable[..., Env]) -> None:
-    env = make_env(POLICY)
+def test_browsers_are_refused(env: Env) -> None:
     address = env.admin_grpc
     # A grpc-web proxy passes a page's Origin on: refused, and the drain did not happen.
     for metadata in ((("origin", "https://evil.example"),), (("sec-fetch-site", "cross-site"),)):
@@ -177,8 +188,7 @@ def test_browsers_are_refused(make_env: Callable[..., Env]) -> None:
     assert post(env).status_code == 200  # not drained
 
 
-def test_the_admin_api_is_not_on_the_port_envoy_talks_to(make_env: Callable[..., Env]) -> None:
-    env = make_env(POLICY)
+def test_the_admin_api_is_not_on_the_port_envoy_talks_to(env: Env) -> None:
     assert code_of(lambda: call(f"127.0.0.1:{env.extproc_grpc}", "Drain", pb.DrainRequest())) == (
         grpc.StatusCode.UNIMPLEMENTED)
     assert post(env).status_code == 200

@@ -239,11 +239,11 @@ def test_a_client_that_hangs_up_is_cancelled_in_the_engine(stream: bool, handler
                 f"Content-Length: {len(payload)}\r\n\r\n").encode()
         with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
             sock.sendall(head + payload)
-            assert wait_until(lambda: server.metric("vllm:num_requests_running") == 1, timeout=1)
-        hung_up = time.monotonic()
-        assert wait_until(lambda: server.metric("vllm:num_requests_running") == 0, timeout=long)
-        assert time.monotonic() - hung_up < long / 2
-        assert server.metric("vllm:e2e_request_latency_seconds_count") == 0  # cancelled, not finished
+            assert wait_until(lambda: server.metric("vllm:num_requests_running") == 1, timeout=10)
+        # Out of the engine, and cancelled there: a request that ran to its end would count as a
+        # finished one (a count, where a stopwatch against its length would time the machine too).
+        assert wait_until(lambda: server.metric("vllm:num_requests_running") == 0, timeout=5 * long)
+        assert server.metric("vllm:e2e_request_latency_seconds_count") == 0
     finally:
         server.stop()
 

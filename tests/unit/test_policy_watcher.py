@@ -257,11 +257,14 @@ async def test_the_sandbox_returns_the_same_policy_and_the_same_problems(tmp_pat
 
 async def test_a_yaml_alias_bomb_is_stopped_by_the_time_cap() -> None:
     loop = asyncio.get_running_loop()
+    cap = 1.5
     started = loop.time()
     with pytest.raises(PolicyError) as caught:
-        await decode_isolated(BOMB.encode(), "bomb.yaml", time_cap=1.5)
+        await decode_isolated(BOMB.encode(), "bomb.yaml", time_cap=cap)
     assert "took longer than 1.5 s" in str(caught.value)
-    assert loop.time() - started < 5
+    # Stopped at the cap, not when the decoding ends (half a minute on a test machine): a margin
+    # of twice the cap for starting and killing the child.
+    assert loop.time() - started < 3 * cap
 
 
 async def test_the_event_loop_keeps_turning_while_the_sandbox_works() -> None:
@@ -279,12 +282,15 @@ async def test_the_event_loop_keeps_turning_while_the_sandbox_works() -> None:
             last = now
             ticks += 1
 
+    cap = 1.0
     task = asyncio.create_task(ticker())
     try:
         with pytest.raises(PolicyError):
-            await decode_isolated(BOMB.encode(), "bomb.yaml", time_cap=1.0)
+            await decode_isolated(BOMB.encode(), "bomb.yaml", time_cap=cap)
     finally:
         task.cancel()
+    # The child does the work: the loop keeps turning all along. Decoding in this process (in a
+    # thread, say) would stop it for the whole decode, far past the cap: validating the bomb holds
+    # the GIL in one call. A busy shared machine delays some ticks, never by the whole cap.
     assert ticks > 20
-    # The child does the work: the loop never stalls on it (generous: a shared 2-core machine).
-    assert max(gaps) < 0.5
+    assert max(gaps) < cap
