@@ -868,9 +868,10 @@ def code_version() -> dict[str, Any]:
     """The commit this ran on, and the paths that differed from it (none: the commit's own code)."""
     def git(*argv: str) -> str:
         run = subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True, check=False)
-        return run.stdout.strip() if run.returncode == 0 else ""
+        return run.stdout.rstrip() if run.returncode == 0 else ""
+    # (Porcelain lines are "XY path": the status columns may be blank, so never strip their left.)
     changed = [line[3:] for line in git("status", "--porcelain").splitlines() if line.strip()]
-    return {"commit": git("rev-parse", "HEAD") or None, "changed_paths": changed}
+    return {"commit": git("rev-parse", "HEAD").strip() or None, "changed_paths": changed}
 
 
 def main() -> int:
@@ -901,6 +902,7 @@ def main() -> int:
             started = time.monotonic()
             scenario = globals()[name](Path(tmp) / name, args)
             scenario["wall_s"] = round(time.monotonic() - started, 1)
+            scenario["code"] = result["code"]  # (each scenario's own: --only runs merge into one file)
             result[name] = scenario
             summary = {k: v for k, v in scenario.items() if k not in ("timeline", "series")}
             log(f"{name}: {json.dumps(summary)}")

@@ -98,13 +98,15 @@ class Stack:
         response.response_headers.headers.headers.add(key=":status", raw_value=b"200")
         sent = [head] if not body_comes else [head, body, response] if with_body else [head, response]
         answers: list[pb.ProcessingResponse] = []
+        answered = asyncio.Event()
 
         async def messages() -> AsyncIterator[pb.ProcessingRequest]:
             # Each message once the one before is answered, as Envoy sends them (a hold's timeout
             # override is no answer: nothing more comes while a request is held); none after a refusal.
             for i, message in enumerate(sent):
                 while i and (len(answers) < i or answers[-1].HasField("override_message_timeout")):
-                    await asyncio.sleep(0.001)
+                    answered.clear()
+                    await answered.wait()
                 if answers and answers[-1].HasField("immediate_response"):
                     return
                 if message is response and hold is not None:
@@ -117,6 +119,7 @@ class Stack:
 
         async for answer in self.processor.Process(messages(), None):
             answers.append(answer)
+            answered.set()
         return answers
 
     async def once(self, **how: Any) -> list[pb.ProcessingResponse]:
