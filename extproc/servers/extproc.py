@@ -532,8 +532,10 @@ class _Request:
             return  # (shed at the edge, before any decision of ext_proc's: the edge logged it)
         if ticket is None and not aborted and self.outcome is None:
             # The stream ended normally without a decision. Either the client went away before
-            # its body came (harmless), or the filter ignored our body-mode override and the
-            # request went upstream undecided: a steady count means allow_mode_override is off.
+            # its body came (harmless: with Envoy's graceful close a departed client's stream ends
+            # this way, not with a reset), or the filter ignored our body-mode override and the
+            # request went upstream undecided: a steady share means allow_mode_override is off
+            # (alert ExtprocUndecidedRequests).
             controller.metrics.stream_errors.labels("undecided").inc()
             self.p.log.warning("stream ended before a decision: client gone before its body, or the "
                                "ext_proc filter lacks allow_mode_override", request_id=self.request_id)
