@@ -41,6 +41,7 @@ from extproc.localstack import free_port, wait_http  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from openloop import BODY  # noqa: E402  (the same request as the open-loop runs send)
+from overhead import cpu_seconds  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results"
@@ -58,14 +59,6 @@ wrk.headers["Content-Type"] = "application/json"
 """
 CONFIGS = ("extproc", "noop")
 TARGETS = {"admitted_ratio": 0.9, "refusal_p99_ms": 100.0, "admitted_added_p99_ms": 50.0}
-
-
-def cpu_seconds(pid: int) -> float:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def openloop(url: str, rate: float, duration: float, connections: int) -> tuple[dict[str, Any], float]:
