@@ -146,7 +146,9 @@ def main() -> int:
     result: dict[str, Any] = {"command": " ".join(["bench/self_overload.py", *sys.argv[1:]]),
                               "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                                           "load_avg_at_start": os.getloadavg()},
-                              "targets": TARGETS}
+                              "targets": TARGETS, "commit": subprocess.run(
+                                  ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                  check=False).stdout.strip() or None}
     with tempfile.TemporaryDirectory(prefix="extproc-overload-") as tmp:
         for key in args.configs.split(","):
             print(f"config {key}", file=sys.stderr, flush=True)
