@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 import time
@@ -100,6 +101,20 @@ def start_env(workdir: Path, policy: Path, *, extproc_args: tuple[str, ...] = ()
     return s, Env(s, f"http://127.0.0.1:{listen}", f"http://127.0.0.1:{http}/metrics",
                   f"http://127.0.0.1:{upstream}", grpc, f"http://127.0.0.1:{admin_port}", policy,
                   f"127.0.0.1:{admin_grpc}")
+
+
+@contextlib.contextmanager
+def shared_env(factory: pytest.TempPathFactory, name: str, policy_text: str) -> Iterator[Env]:
+    """One stack with ``policy_text`` for a module's tests that change nothing in it (a module-scoped
+    fixture's body; tests that change the stack make their own)."""
+    workdir = factory.mktemp(name)
+    policy = workdir / "policy.yaml"
+    policy.write_text(policy_text)
+    stack, environment = start_env(workdir, policy)
+    try:
+        yield environment
+    finally:
+        stack.stop()
 
 
 @pytest.fixture

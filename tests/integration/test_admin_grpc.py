@@ -24,7 +24,7 @@ from extproc.admin import STATE_VERSION
 from extproc.api.admin.v1 import admin_pb2 as pb
 from extproc.api.admin.v1 import admin_pb2_grpc as pb_grpc
 from extproc.api.document import from_document, to_document
-from tests.integration.conftest import Env, start_env
+from tests.integration.conftest import Env, shared_env
 
 pytestmark = pytest.mark.envoy
 
@@ -77,14 +77,8 @@ def post(env: Env, path: str = "/v1/x", delay_ms: int = 0) -> httpx.Response:
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     """One stack with POLICY for the tests that change nothing in it (the others make their own)."""
-    workdir = tmp_path_factory.mktemp("admin")
-    policy = workdir / "policy.yaml"
-    policy.write_text(POLICY)
-    stack, environment = start_env(workdir, policy)
-    try:
+    with shared_env(tmp_path_factory, "admin", POLICY) as environment:
         yield environment
-    finally:
-        stack.stop()
 
 
 def wait_for(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.conftest import Env, as_tenant, start_env
+from tests.integration.conftest import Env, as_tenant, shared_env, start_env
 
 pytestmark = pytest.mark.envoy
 
@@ -57,14 +57,8 @@ ratelimit: {mode: "off"}
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    workdir = tmp_path_factory.mktemp("stack")
-    policy = workdir / "policy.yaml"
-    policy.write_text(POLICY)
-    stack, environment = start_env(workdir, policy)
-    try:
+    with shared_env(tmp_path_factory, "stack", POLICY) as environment:
         yield environment
-    finally:
-        stack.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from extproc.localstack import Process, Stack, envoy_config, free_port, wait_http
-from tests.integration.conftest import DEMO_KEYS, Env, metric, start_env
+from tests.integration.conftest import DEMO_KEYS, Env, metric, shared_env
 from tests.integration.upstream import USAGE_BODIES, usage_body
 
 pytestmark = pytest.mark.envoy
@@ -208,14 +208,8 @@ BUDGET_POLICY = POLICY.replace("lanes:", "estimation: {read_body: always}\nlanes
 @pytest.fixture(scope="module")
 def budget_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     """One stack with BUDGET_POLICY for the tests below: each counts what it caused."""
-    workdir = tmp_path_factory.mktemp("budgets")
-    policy = workdir / "policy.yaml"
-    policy.write_text(BUDGET_POLICY)
-    stack, env = start_env(workdir, policy)
-    try:
+    with shared_env(tmp_path_factory, "budgets", BUDGET_POLICY) as env:
         yield env
-    finally:
-        stack.stop()
 
 
 def _charged(env: Env, counter: str, at_least: float) -> None:
