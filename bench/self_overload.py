@@ -4,7 +4,9 @@ One stack per configuration on loopback, each the shipped Envoy config (``extpro
 closed, one worker) in front of the instant upstream (bench/upstream.py), with a policy that admits
 everything (limits that never bind, the body read):
 
-* ``extproc``   ``extproc serve`` as shipped (under ``loads``);
+* ``extproc``   ``extproc serve`` as shipped (under ``loads``), with its overload protection: it refuses
+                 what reaches it too late, and the proxy's overload shed refuses in proportion to those
+                 answers before requests reach it (``overloaded_by_extproc``: extproc's own share);
 * ``noop``       bench/noop_extproc.py on uvloop's loop, as extproc, asking for the response headers
                  as extproc does (under ``noop``): any Python ext_proc server, for comparison.
 
@@ -32,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -73,6 +77,15 @@ def openloop(url: str, rate: float, duration: float, connections: int) -> tuple[
     return summary, float(summary.get("cpu_s", 0.0))
 
 
+def guard_refusals(port: int) -> int:
+    """extproc's own 503 overloaded answers so far (its /metrics)."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith('extproc_intake_rejections_total{reason="overloaded"}'):
+            return int(float(line.split()[-1]))
+    return 0
+
+
 def run_config(key: str, workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
     workdir.mkdir(parents=True, exist_ok=True)
     policy = workdir / "policy.yaml"
@@ -83,13 +96,13 @@ def run_config(key: str, workdir: Path, args: argparse.Namespace) -> dict[str, A
         upstream = free_port()
         up = s.start("upstream", [sys.executable, str(BENCH / "upstream.py"), str(upstream)])
         wait_http(f"http://127.0.0.1:{upstream}/health", proc=up.popen)
-        grpc = free_port()
+        grpc, metrics_port = free_port(), free_port()
         if key == "noop":
             server = s.start("noop", [sys.executable, str(BENCH / "noop_extproc.py"), str(grpc),
                                       "--event-loop", "uvloop", "--response-headers"])
             time.sleep(1.5)
         else:
-            server = s.extproc(policy, grpc, free_port(), "--log-level", "info")
+            server = s.extproc(policy, grpc, metrics_port, "--log-level", "info")
         listen, admin = free_port(), free_port()
         envoy = s.envoy(localstack.envoy_config(listen, admin, upstream, grpc))
         url = f"http://127.0.0.1:{listen}{PATH}"
@@ -107,8 +120,10 @@ def run_config(key: str, workdir: Path, args: argparse.Namespace) -> dict[str, A
         for label, multiple in (("0.25", 0.25), *((m, float(m)) for m in args.loads)):
             time.sleep(2)  # (what the last load left behind drains)
             before = {k: cpu_seconds(p) for k, p in pids.items()}
+            guard_before = guard_refusals(metrics_port) if key == "extproc" else 0
             summary, loadgen_cpu = openloop(url, max_rate * multiple, args.seconds, args.connections)
             after = {k: cpu_seconds(p) for k, p in pids.items()}
+            guard = guard_refusals(metrics_port) - guard_before if key == "extproc" else None
             cpu = {k: round((after[k] - before[k]) / args.seconds, 3) for k in pids}
             cpu["loadgen"] = round(loadgen_cpu / args.seconds, 3)
             p99 = summary["admitted_ms"]["p99"]
@@ -124,6 +139,9 @@ def run_config(key: str, workdir: Path, args: argparse.Namespace) -> dict[str, A
                 "refusal_p50_ms": summary["refused_ms"]["p50"],
                 "statuses": summary["statuses"], "reasons": summary["reasons"],
                 "cpu_cores": cpu, "connections_opened": summary["connections_opened"],
+                # Of the overloaded answers: extproc's own (the request reached it too late), the
+                # rest the proxy's overload shed (they never reached extproc).
+                "overloaded_by_extproc": guard,
                 "errors": summary["errors"],
             }
             loads[label] = entry

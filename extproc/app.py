@@ -84,7 +84,8 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
     # Tenant budgets, the retry budget and fair shares: the fleet's, through the store (or each replica's).
     budgets = budget_store(ledger) if settings.store_share_fleet else None
     controller = Controller(policy, metrics, rng=rng, ledger=ledger, budgets=budgets)
-    processor = ExternalProcessor(controller, log_key=settings.log_key)
+    processor = ExternalProcessor(controller, log_key=settings.log_key,
+                                  overload_after=settings.overload_after_s)
     controller.on_reconfigure.append(lambda _: processor.reconfigure())
     registry.register(SaturationCollector(controller.saturation, controller.now))
     hub = SignalHub(policy.signals, registry, controller.now, controller.on_signals)

@@ -28,6 +28,12 @@ API_KEY_FILTER = "envoy.filters.http.api_key_auth"
 GATE_FILTER = "extproc.admission_gate"
 #: Reads a response's token usage for the tenant budgets (and strips the usage event extproc asked for).
 USAGE_FILTER = "extproc.usage"
+#: Before ext_proc: sheds new requests in proportion to the 503s while extproc is overloaded itself.
+OVERLOAD_FILTER = "envoy.filters.http.admission_control"
+#: Before the shed: turns extproc's "overloaded" status (529, the shed's signal) into the 503 clients get.
+OVERLOAD_STATUS_FILTER = "extproc.overload_status"
+#: The shed's refusal, as it shows in %RESPONSE_CODE_DETAILS%.
+OVERLOAD_DENIAL = "denied_by_admission_control"
 #: The RBAC policy the gate denies by, as it shows in %RESPONSE_CODE_DETAILS%.
 GATE_DENIAL = "rbac_access_denied_matched_policy[extproc-not-admitted]"
 #: Clusters that point at extproc: its ext_proc stream and its rate limit service (one port).
@@ -85,13 +91,13 @@ def _remove_filters(hcm: dict[str, Any], names: tuple[str, ...]) -> None:
                 route.pop("typed_per_filter_config", None)
 
 
-def _remove_gate(hcm: dict[str, Any]) -> None:
-    """Fail open: no admission gate, and no mapping of its denial."""
-    _remove_filters(hcm, (GATE_FILTER,))
+def _remove_with_mapper(hcm: dict[str, Any], name: str, denial: str) -> None:
+    """No filter ``name``, and no mapping of its refusal (``denial``: its response code details)."""
+    _remove_filters(hcm, (name,))
     replies = hcm.get("local_reply_config")
     if replies is not None:
         mappers = replies.get("mappers", [])
-        replies["mappers"] = [m for m in mappers if GATE_DENIAL not in str(m.get("filter"))]
+        replies["mappers"] = [m for m in mappers if denial not in str(m.get("filter"))]
         if not replies["mappers"]:
             del hcm["local_reply_config"]
 
@@ -132,10 +138,12 @@ def render(
 ) -> dict[str, Any]:
     """The shipped bootstrap with its addresses rewritten.
 
-    ``extproc=None`` removes everything that talks to extproc (the ratelimit and ext_proc
-    filters, the admission gate, their per-route settings and clusters) and keeps the gateway's
-    own work (the strip of client x-extproc-* headers, API keys): plain Envoy, a baseline.
-    ``fail_open`` removes the admission gate: while extproc is down, requests pass unadmitted.
+    ``extproc=None`` removes everything that talks to extproc or serves it (the ratelimit and
+    ext_proc filters, the overload shed, the admission gate, their per-route settings and clusters)
+    and keeps the gateway's own work (the strip of client x-extproc-* headers, API keys): plain
+    Envoy, a baseline.
+    ``fail_open`` removes the admission gate: while extproc is down, requests pass unadmitted (the
+    overload shed stays: its refusals are the same in either mode).
     ``edge="call"`` has the ratelimit filter ask for the edge's judgement of each arrival (a unary
     call of its own) instead of extproc judging it in the ext_proc headers phase.
     """
@@ -148,11 +156,13 @@ def render(
     _set_endpoint(clusters["inference_backend"], backend)
     hcm = _hcm(config)
     if fail_open or extproc is None:
-        _remove_gate(hcm)
+        # Fail open: no admission gate (the overload shed stays: it answers alike in either mode).
+        _remove_with_mapper(hcm, GATE_FILTER, GATE_DENIAL)
     if edge == "call" and extproc is not None:
         _edge_by_call(hcm)
     if extproc is None:
-        _remove_filters(hcm, (EXT_PROC_FILTER, RATELIMIT_FILTER, USAGE_FILTER))
+        _remove_with_mapper(hcm, OVERLOAD_FILTER, OVERLOAD_DENIAL)
+        _remove_filters(hcm, (EXT_PROC_FILTER, RATELIMIT_FILTER, USAGE_FILTER, OVERLOAD_STATUS_FILTER))
         config["static_resources"]["clusters"] = [
             c for c in config["static_resources"]["clusters"] if c["name"] not in EXTPROC_CLUSTERS
         ]

@@ -9,7 +9,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from extproc import __version__
-from extproc.settings import Address, Settings, env, positive_float, positive_int, read_token
+from extproc.settings import (
+    Address,
+    Settings,
+    env,
+    non_negative_float,
+    positive_float,
+    positive_int,
+    read_token,
+)
 
 EXIT_BAD_POLICY = 2
 EXIT_STARTUP = 3
@@ -91,6 +99,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return EXIT_STARTUP
     settings = Settings(policy=args.policy, grpc=args.grpc, http=args.http, log_format=args.log_format,
                         log_level=args.log_level, shutdown_grace_s=args.shutdown_grace, seed=args.seed,
+                        overload_after_s=args.overload_after,
                         admin=args.admin, admin_grpc=args.admin_grpc, admin_token=token,
                         watch_interval_s=args.watch_interval,
                         store=args.store or None, store_fail_open=args.store_fail == "open",
@@ -189,6 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "asyncio's (env EXTPROC_EVENT_LOOP; default %(default)s)")
     serve.add_argument("--shutdown-grace", type=float, default=float(env("SHUTDOWN_GRACE", "30")),
                        metavar="SECONDS", help="time in-flight requests get to finish on SIGTERM")
+    serve.add_argument("--overload-after", type=non_negative_float,
+                       default=env("OVERLOAD_AFTER", "0.05"), metavar="SECONDS",
+                       help="refuse at once (503 overloaded) a request that reaches extproc more than this "
+                       "after the proxy stamped its arrival: extproc is beyond its decision rate; 0: off "
+                       "(env EXTPROC_OVERLOAD_AFTER; default %(default)s)")
     serve.add_argument("--admin", type=_optional_address,
                        default=_optional_address(env("ADMIN", "127.0.0.1:9091")), metavar="HOST:PORT|off",
                        help="admin port: state, reload, drain, pause (env EXTPROC_ADMIN; "

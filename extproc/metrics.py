@@ -188,7 +188,8 @@ class Metrics:
         )
         self.intake_rejections = Counter(
             "extproc_intake_rejections", "Requests refused before classification, by reason (bad_request: a "
-            "header classification reads came twice; body_timeout; slow_bodies).", ["reason"],
+            "header classification reads came twice; body_timeout; slow_bodies; overloaded: reached "
+            "extproc too late to be decided).", ["reason"],
             registry=registry,
         )
         self.slots_reclaimed = Counter(

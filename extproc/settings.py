@@ -33,6 +33,10 @@ class Settings:
     log_format: str = "json"
     log_level: str = "info"
     shutdown_grace_s: float = 30.0
+    overload_after_s: float = 0.1
+    """A request whose headers reach extproc more than this after the proxy stamped its arrival is
+    refused at once (503 overloaded) rather than decided: extproc is beyond its decision rate
+    (core/overload.py). 0: off."""
     seed: int | None = None
     admin: Address | None = Address("127.0.0.1", 9091)
     """The admin port (state, reload, drain, pause); None: no admin port."""
@@ -116,6 +120,17 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number above 0, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a whole number above 0, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type: a finite number, 0 or above (the error names what was given)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, 0 or above, got {text!r}") from None
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a number, 0 or above, got {text!r}")
     return value
 
 

@@ -42,6 +42,8 @@ class Reason(StrEnum):
     """The request announced a body and did not send it in time."""
     SLOW_BODIES = "slow_bodies"
     """The client already holds too many requests whose bodies are late."""
+    OVERLOADED = "overloaded"
+    """extproc itself is beyond its decision rate: the request reached it too late to be decided."""
     UNAVAILABLE = "unavailable"
     """extproc cannot answer (down, stalled, overloaded): Envoy's admission gate says so, not extproc."""
     TENANT_REQUESTS = "tenant_request_budget"
@@ -77,12 +79,14 @@ _MESSAGES = {
     Reason.BAD_REQUEST: "The request cannot be classified as sent.",
     Reason.BODY_TIMEOUT: "The request body did not arrive in time.",
     Reason.SLOW_BODIES: "Too many of this client's requests are waiting for their bodies.",
+    Reason.OVERLOADED: "The admission controller is overloaded; the request was not decided.",
     Reason.UNAVAILABLE: "The admission controller is unavailable; no new requests are admitted.",
     Reason.TENANT_REQUESTS: "This tenant's request budget is spent.",
     Reason.TENANT_TOKENS: "This tenant's token budget is spent.",
 }
 _NO_RETRY = frozenset({Reason.LANE_CLOSED, Reason.SATURATED, Reason.RETRY_BUDGET, Reason.BAD_REQUEST})
-_STATUS = {Reason.DRAINING: 503, Reason.UNAVAILABLE: 503, Reason.BAD_REQUEST: 400, Reason.BODY_TIMEOUT: 408}
+_STATUS = {Reason.DRAINING: 503, Reason.OVERLOADED: 503, Reason.UNAVAILABLE: 503, Reason.BAD_REQUEST: 400,
+           Reason.BODY_TIMEOUT: 408}
 _TYPES = {429: "rate_limit_exceeded", 503: "service_unavailable"}
 
 

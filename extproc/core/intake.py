@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from extproc.core.body import BodyFacts, read_request_body
 from extproc.core.classify import HEADER_PREFIX, Classification, Classifier, RequestFacts
 from extproc.core.estimate import Estimator, Job
+from extproc.core.overload import ARRIVAL_HEADER
 from extproc.core.retry_budget import is_retry
 from extproc.core.usage import FILTER_HEADER
 from extproc.policy.schema import Policy
@@ -37,7 +38,7 @@ EDGE_HEADER = "x-extproc-edge"
 #: proxy's strip: no client can send it): ext_proc then does not judge it again, even told to.
 JUDGED_HEADER = "x-extproc-edge-judged"
 #: The proxy's own word to ext_proc: read, never dropped as a client's (the routes drop them).
-PROXY_HEADERS = frozenset({FILTER_HEADER, EDGE_HEADER, JUDGED_HEADER})
+PROXY_HEADERS = frozenset({FILTER_HEADER, EDGE_HEADER, JUDGED_HEADER, ARRIVAL_HEADER})
 
 
 @dataclass(frozen=True, slots=True)

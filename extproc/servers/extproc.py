@@ -24,6 +24,7 @@ import asyncio
 import secrets
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -42,6 +43,7 @@ from extproc.core.body import BodyFacts
 from extproc.core.classify import Classification
 from extproc.core.decision import Outcome, Reason, Rejection, reject
 from extproc.core.intake import EDGE_HEADER, JUDGED_HEADER, Head, Intake
+from extproc.core.overload import ARRIVAL_HEADER, SHED_STATUS, OverloadGuard
 from extproc.core.redaction import Redactor
 from extproc.core.saturation import Effect
 from extproc.core.usage import NAMESPACE, admission_metadata, ask_for_usage, plan
@@ -589,8 +591,12 @@ class _Request:
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    def __init__(self, controller: Controller, *, log_key: bytes | None = None) -> None:
+    def __init__(self, controller: Controller, *, log_key: bytes | None = None,
+                 overload_after: float = 0.0) -> None:
         self.controller = controller
+        #: Refuses at once what reaches extproc too late to be worth deciding (0: off).
+        self.overload = OverloadGuard(overload_after)
+        self._overload_logged = 0.0
         self.intake = Intake(controller.policy, controller.scheduler.estimator)
         self.slow = SlowBodies()
         self.linger = Linger()
@@ -646,6 +652,14 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     # make a second ticket, which would leave the first one's slot behind.
                     self.controller.metrics.stream_errors.labels("repeated_headers").inc()
                     response = _passthrough(kind)
+                elif kind == "request_headers" and not self.overload.admit(
+                        _arrival(message.request_headers), time.time()):
+                    # Beyond its decision rate: a prebuilt refusal, and no decision record (its cost is
+                    # what the guard saves); counted, and logged once in a while.
+                    request.outcome = Outcome.REJECTED
+                    self._overloaded()
+                    yield _OVERLOADED
+                    break
                 elif kind == "request_headers":
                     response = request.on_headers(message.request_headers, _client_of(message))
                     if response is _JUDGE_EDGE:
@@ -713,6 +727,16 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                 raise
             self.linger.calm()
 
+    def _overloaded(self) -> None:
+        controller = self.controller
+        controller.metrics.intake_rejections.labels(Reason.OVERLOADED.value).inc()
+        now = time.monotonic()
+        if now - self._overload_logged >= _OVERLOAD_LOG_EVERY:
+            self._overload_logged = now
+            self.log.warning("overloaded: requests reached extproc too late to be decided and were refused",
+                             refused=self.overload.take_refused(),
+                             after_ms=round(self.overload.max_delay * 1000))
+
     async def _held(self, decision: Decision, pending: asyncio.Future[pb.ProcessingRequest | None]
                     ) -> Decision | None:
         """Wait for a held request's slot, or for its stream to end first (None: the client left).
@@ -761,6 +785,21 @@ async def _next(messages: AsyncIterator[pb.ProcessingRequest]) -> pb.ProcessingR
         return await anext(messages)
     except StopAsyncIteration:
         return None
+
+
+def _arrival(message: pb.HttpHeaders) -> bytes | None:
+    """The proxy's arrival stamp (core/overload.py), if it sent one."""
+    for header in message.headers.headers:
+        if header.key == ARRIVAL_HEADER:
+            return header.raw_value or None
+    return None
+
+
+#: extproc beyond its decision rate: the same answer for every such request, built once; its status is
+#: the proxy's overload shed's signal until the proxy turns it into the 503 clients get (core/overload.py).
+_OVERLOADED = _immediate(replace(reject(Reason.OVERLOADED, None, 1), status=SHED_STATUS), Reason.OVERLOADED)
+#: At most one log line in this many seconds about overload refusals.
+_OVERLOAD_LOG_EVERY = 5.0
 
 
 def _passthrough(kind: str | None) -> pb.ProcessingResponse:

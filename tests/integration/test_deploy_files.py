@@ -14,6 +14,7 @@ import yaml
 
 from extproc import bootstrap
 from extproc.core import usage as usage_mod
+from extproc.core.overload import SHED_STATUS
 from extproc.localstack import ROOT, envoy_binary
 from extproc.policy import load_policy
 from extproc.policy.ratelimit import RateLimit
@@ -69,29 +70,74 @@ def test_filter_order_strip_keys_edge_admission_gate() -> None:
     _, hcm = _shipped()
     names = [f["name"] for f in hcm["http_filters"]]
     assert names == [bootstrap.STRIP_FILTER, bootstrap.API_KEY_FILTER, bootstrap.RATELIMIT_FILTER,
-                     bootstrap.EXT_PROC_FILTER, bootstrap.GATE_FILTER, bootstrap.USAGE_FILTER,
-                     "envoy.filters.http.router"]
-    ext_proc = hcm["http_filters"][3]["typed_config"]
+                     bootstrap.OVERLOAD_STATUS_FILTER, bootstrap.OVERLOAD_FILTER, bootstrap.EXT_PROC_FILTER,
+                     bootstrap.GATE_FILTER, bootstrap.USAGE_FILTER, "envoy.filters.http.router"]
+    ext_proc = hcm["http_filters"][5]["typed_config"]
     # Fail-open: a running response never depends on extproc; the gate keeps new ones fail-closed.
     assert ext_proc["failure_mode_allow"] is True
-    gate = hcm["http_filters"][4]["typed_config"]["rules"]
+    gate = hcm["http_filters"][6]["typed_config"]["rules"]
     assert gate["action"] == "DENY"
     (principal,) = gate["policies"]["extproc-not-admitted"]["principals"]
     assert principal == {"not_id": {"header": {"name": "x-extproc-lane", "present_match": True}}}
-    (mapper,) = hcm["local_reply_config"]["mappers"]
-    assert bootstrap.GATE_DENIAL in mapper["filter"]["extension_filter"]["typed_config"]["expression"]
+    expressions = [m["filter"]["extension_filter"]["typed_config"]["expression"]
+                   for m in hcm["local_reply_config"]["mappers"]]
+    assert bootstrap.OVERLOAD_DENIAL in expressions[0]
+    assert bootstrap.GATE_DENIAL in expressions[1]
 
 
-def test_the_gates_503_is_extprocs_own_unavailable_answer() -> None:
+def _mapper(hcm: dict[str, Any], denial: str) -> dict[str, Any]:
+    (mapper,) = [m for m in hcm["local_reply_config"]["mappers"]
+                 if denial in m["filter"]["extension_filter"]["typed_config"]["expression"]]
+    return mapper
+
+
+@pytest.mark.parametrize(("denial", "reason"), [(bootstrap.GATE_DENIAL, "unavailable"),
+                                           (bootstrap.OVERLOAD_DENIAL, "overloaded")])
+def test_the_proxys_503s_are_extprocs_own_answers(denial: str, reason: str) -> None:
     from extproc.core.decision import Reason, error_body
 
     _, hcm = _shipped()
-    (mapper,) = hcm["local_reply_config"]["mappers"]
+    mapper = _mapper(hcm, denial)
     headers = {h["header"]["key"]: h["header"]["value"] for h in mapper["headers_to_add"]}
-    assert mapper["status_code"] == Reason.UNAVAILABLE.http_status == 503
-    assert headers["x-extproc-reason"] == Reason.UNAVAILABLE.value
+    assert mapper["status_code"] == Reason(reason).http_status == 503
+    assert headers["x-extproc-reason"] == reason
     assert mapper["body"]["inline_string"].encode() == error_body(
-        Reason.UNAVAILABLE, None, int(headers["retry-after"]))
+        Reason(reason), None, int(headers["retry-after"]))
+
+
+def test_extprocs_own_overloaded_answer_says_what_the_shed_says() -> None:
+    """extproc's prebuilt refusal and the proxy's shed give a client the same answer."""
+    from extproc.servers import extproc as server
+
+    _, hcm = _shipped()
+    mapper = _mapper(hcm, bootstrap.OVERLOAD_DENIAL)
+    answer = server._OVERLOADED.immediate_response
+    own = {h.header.key: h.header.raw_value.decode() for h in answer.headers.set_headers}
+    # (529 up to the proxy's extproc.overload_status filter, which makes it the shed's 503.)
+    assert answer.status.code == SHED_STATUS
+    assert mapper["status_code"] == 503
+    assert answer.body.decode() == mapper["body"]["inline_string"]
+    for header in mapper["headers_to_add"]:
+        assert own[header["header"]["key"]] == header["header"]["value"]
+
+
+def test_the_overload_shed_counts_only_extprocs_overloaded_and_health_checks_never_meet_it() -> None:
+    _, hcm = _shipped()
+    (shed,) = [f["typed_config"] for f in hcm["http_filters"] if f["name"] == bootstrap.OVERLOAD_FILTER]
+    ranges = shed["success_criteria"]["http_criteria"]["http_success_status"]
+    failures = [code for code in range(100, 600) if not any(r["start"] <= code < r["end"] for r in ranges)]
+    assert failures == [SHED_STATUS]
+    (status,) = [f["typed_config"] for f in hcm["http_filters"]
+                 if f["name"] == bootstrap.OVERLOAD_STATUS_FILTER]
+    assert f'== "{SHED_STATUS}"' in status["default_source_code"]["inline_string"]
+    routes = {r["name"]: r for r in hcm["route_config"]["virtual_hosts"][0]["routes"]}
+    assert routes["health"]["typed_per_filter_config"][bootstrap.OVERLOAD_FILTER]["disabled"] is True
+    # The stamp the guard reads is the proxy's own, and the backend never sees it.
+    (strip,) = [f for f in hcm["http_filters"] if f["name"] == bootstrap.STRIP_FILTER]
+    appended = {m["append"]["header"]["key"]: m["append"]["header"]["value"]
+                for m in strip["typed_config"]["mutations"]["request_mutations"] if "append" in m}
+    assert appended["x-extproc-arrival"] == "%START_TIME(%s.%3f)%"
+    assert "x-extproc-arrival" in hcm["route_config"]["virtual_hosts"][0]["request_headers_to_remove"]
 
 
 def test_fail_open_rendering_drops_only_the_gate() -> None:
@@ -102,7 +148,9 @@ def test_fail_open_rendering_drops_only_the_gate() -> None:
     hcm = lambda c: c["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]  # noqa: E731
     names = [f["name"] for f in hcm(open_)["http_filters"]]
     assert bootstrap.GATE_FILTER not in names
-    assert "local_reply_config" not in hcm(open_)
+    # The overload shed answers alike in both modes; only the gate's mapper goes.
+    (mapper,) = hcm(open_)["local_reply_config"]["mappers"]
+    assert bootstrap.OVERLOAD_DENIAL in str(mapper["filter"])
     shipped_names = [f["name"] for f in hcm(shipped)["http_filters"]]
     assert [n for n in shipped_names if n != bootstrap.GATE_FILTER] == names
 

@@ -88,7 +88,7 @@ RATELIMIT = "envoy.filters.http.ratelimit"
 ROUTER = "envoy.filters.http.router"
 STRIP = bootstrap.STRIP_FILTER
 #: The proxy's own headers to extproc (and the rate limit call's mark): dropped before any backend.
-PROXY_WORDS = ["x-extproc-usage-filter", "x-extproc-edge", "x-extproc-edge-judged"]
+PROXY_WORDS = ["x-extproc-usage-filter", "x-extproc-edge", "x-extproc-edge-judged", "x-extproc-arrival"]
 GATE = bootstrap.GATE_FILTER
 #: In envoy/envoy.yaml only: the local demo's API keys. In the mesh, a tenant comes from a JWT
 #: claim (RequestAuthentication outputClaimToHeaders), set after the strip.
@@ -804,8 +804,8 @@ def test_envoyfilters_cover_gateway_and_sidecar_with_the_shipped_ext_proc_config
                 assert patch["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"] == ROUTER
 
 
-@pytest.mark.parametrize("name", [STRIP, GATE])
-def test_envoyfilters_carry_the_shipped_strip_and_gate(rendered: Rendered, name: str) -> None:
+@pytest.mark.parametrize("name", [STRIP, GATE, bootstrap.OVERLOAD_STATUS_FILTER, bootstrap.OVERLOAD_FILTER])
+def test_envoyfilters_carry_the_shipped_strip_shed_and_gate(rendered: Rendered, name: str) -> None:
     expected = shipped_filter(name)
     contexts = set()
     for overlay in WIRED:
@@ -858,16 +858,19 @@ def test_the_edge_shed_runs_before_ext_proc(rendered: Rendered) -> None:
     for (_, name), envoyfilter in filters.items():
         patches = [p for p in envoyfilter["spec"]["configPatches"] if p["applyTo"] == "HTTP_FILTER"]
         # Istio inserts INSERT_BEFORE patches in the order listed: the ratelimit patch comes first.
-        assert [p["patch"]["value"]["name"] for p in patches] == [STRIP, RATELIMIT, EXT_PROC, GATE,
-                                                                   bootstrap.USAGE_FILTER], name
-        _, shed, admit, gate, usage = patches
-        assert shed["match"] == admit["match"] == gate["match"] == usage["match"], \
+        assert [p["patch"]["value"]["name"] for p in patches] == [
+            STRIP, RATELIMIT, bootstrap.OVERLOAD_STATUS_FILTER, bootstrap.OVERLOAD_FILTER, EXT_PROC, GATE,
+            bootstrap.USAGE_FILTER], name
+        _, shed, status, overload, admit, gate, usage = patches
+        assert shed["match"] == status["match"] == overload["match"] == admit["match"] == gate["match"] \
+            == usage["match"], \
             f"{name}: the filters must land on the same listeners"
         assert shed["patch"]["operation"] == admit["patch"]["operation"] == "INSERT_BEFORE"
         # Applied the way Istio applies them, the chain is envoy/envoy.yaml's (less the demo's keys).
         chain = [f["name"] for f in bootstrap_hcm(envoy_bootstrap(envoyfilter))["http_filters"]]
         shipped = [f["name"] for f in shipped_hcm()["http_filters"] if f["name"] != API_KEYS]
-        assert chain == [STRIP, RATELIMIT, EXT_PROC, GATE, bootstrap.USAGE_FILTER, ROUTER] == shipped
+        assert chain == [STRIP, RATELIMIT, bootstrap.OVERLOAD_STATUS_FILTER, bootstrap.OVERLOAD_FILTER,
+                         EXT_PROC, GATE, bootstrap.USAGE_FILTER, ROUTER] == shipped
 
 
 def ratelimit_problems(docs: list[Doc], policy: Policy) -> list[str]:
@@ -954,7 +957,7 @@ def test_health_routes_skip_both_filters_and_inference_routes_are_shed_and_never
         rendered: Rendered) -> None:
     health = shipped_route("health")
     shed = shipped_route("inference-keyed")
-    assert set(health) == {RATELIMIT, EXT_PROC, GATE}
+    assert set(health) == {RATELIMIT, bootstrap.OVERLOAD_FILTER, EXT_PROC, GATE}
     assert set(shed) == {RATELIMIT}
     docs = rendered["gateway"]
     routes = {r["name"]: r for r in one(docs, "VirtualService", "inference")["spec"]["http"]}
@@ -1462,6 +1465,12 @@ ALERT_CASES: dict[str, tuple[dict[str, str], str, list[dict[str, str]]]] = {
         # Pod a: a proxy without the flag (every stream, 5 a minute); pod b: 3 stray resets (a stop).
         'extproc_stream_resets_after_close_total{namespace="extproc",pod="a"}': "0+5x40",
         'extproc_stream_resets_after_close_total{namespace="extproc",pod="b"}': "0x5 3x35",
+    }, "30m", [{"namespace": "extproc", "pod": "a", "severity": "warning"}]),
+    "ExtprocOverloaded": ({
+        # Pod a refuses 5 requests a minute as overloaded, for half an hour; pod b had one burst.
+        'extproc_intake_rejections_total{namespace="extproc",pod="a",reason="overloaded"}': "0+5x40",
+        'extproc_intake_rejections_total{namespace="extproc",pod="b",reason="overloaded"}': "0x5 30x35",
+        'extproc_intake_rejections_total{namespace="extproc",pod="b",reason="bad_request"}': "0+50x40",
     }, "30m", [{"namespace": "extproc", "pod": "a", "severity": "warning"}]),
     "ExtprocPolicyReloadFailing": ({
         # Pod a has had a bad file for 10 minutes; pod b for 3 (still pending: `for: 5m`);

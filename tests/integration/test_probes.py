@@ -341,11 +341,13 @@ def test_extproc_gets_only_allowlisted_headers_and_never_a_credential(
     (seen,) = recorder.seen
     assert set(seen) <= {":method", ":path", "content-length", "content-encoding", "x-request-id",
                          "x-stainless-retry-count", "x-extproc-client", "x-extproc-usage-filter",
-                         "x-extproc-edge"}
+                         "x-extproc-edge", "x-extproc-arrival"}
     # The proxy says it strips a usage event extproc asks for, and that extproc judges the edge in
     # the headers phase (both set after the strip: not the client's).
     assert seen["x-extproc-usage-filter"] == "1"
     assert seen["x-extproc-edge"] == "1"
+    # and when it arrived (the overload guard's stamp: epoch seconds, from the proxy's clock).
+    assert abs(float(seen["x-extproc-arrival"]) - time.time()) < 3600
     assert not set(seen) & set(CREDENTIALS)
     assert (seen[":method"], seen[":path"], seen["x-stainless-retry-count"]) == (
         "POST", "/v1/chat/completions", "1")

@@ -1,0 +1,92 @@
+"""The overload guard: which requests reached extproc too late to be worth deciding."""
+
+from __future__ import annotations
+
+import pytest
+
+from extproc.core.overload import OverloadGuard
+
+T0 = 1_800_000_000.0
+
+
+def stamp(at: float) -> bytes:
+    return f"{at:.3f}".encode()
+
+
+def test_a_request_seen_at_once_is_decided_and_one_seen_late_is_refused() -> None:
+    guard = OverloadGuard(0.1)
+    assert guard.admit(stamp(T0), T0 + 0.002)
+    assert guard.admit(stamp(T0 + 1), T0 + 1 + 0.09)
+    assert not guard.admit(stamp(T0 + 2), T0 + 2 + 0.2)
+    assert guard.take_refused() == 1
+    assert guard.take_refused() == 0
+
+
+@pytest.mark.parametrize("skew", [-30.0, -0.5, 0.0, 0.4, 25.0])
+def test_the_proxys_clock_may_be_ahead_or_behind(skew: float) -> None:
+    """Only the delay beyond the smallest one seen counts: the clocks' offset cancels out."""
+    guard = OverloadGuard(0.1)
+    for i in range(50):
+        sent = T0 + i * 0.01
+        assert guard.admit(stamp(sent + skew), sent + 0.003)
+    sent = T0 + 1
+    assert guard.admit(stamp(sent + skew), sent + 0.08)
+    assert not guard.admit(stamp(sent + skew), sent + 0.15)
+    assert guard.delay(stamp(sent + skew), sent + 0.15) == pytest.approx(0.147, abs=0.002)
+
+
+def test_no_stamp_a_garbled_one_or_the_guard_off_decide_the_request() -> None:
+    guard = OverloadGuard(0.1)
+    assert guard.admit(stamp(T0), T0)
+    for garbage in (None, b"", b"soon", b"nan", b"inf", b"-inf", "1e400", b"\xff\xfe"):
+        assert guard.admit(garbage, T0 + 50)
+    off = OverloadGuard(0)
+    assert off.admit(stamp(T0), T0)
+    assert off.admit(stamp(T0), T0 + 3600)
+    assert off.refused == 0
+
+
+def test_a_sustained_overload_keeps_the_floor_it_learnt_while_calm() -> None:
+    """While every request comes late, the floor is the one learnt before: the guard keeps refusing
+    for the floor's whole span (a minute), then relaxes to what it sees."""
+    guard = OverloadGuard(0.1)
+    for i in range(100):
+        assert guard.admit(stamp(T0 + i * 0.01), T0 + i * 0.01 + 0.002)
+    span = OverloadGuard.WINDOW * OverloadGuard.WINDOWS
+    refused = 0
+    t = T0 + 1
+    while t < T0 + 1 + span - 2 * OverloadGuard.WINDOW:
+        refused += not guard.admit(stamp(t - 0.5), t)
+        t += 0.05
+    assert refused == pytest.approx((span - 2 * OverloadGuard.WINDOW) / 0.05, abs=2)
+    # Past the span, 0.5 s is the smallest delay it knows: the same requests are decided again.
+    t = T0 + 1 + span + 2 * OverloadGuard.WINDOW
+    assert guard.admit(stamp(t - 0.5), t)
+
+
+def test_after_a_quiet_spell_the_floor_is_learnt_again() -> None:
+    """A clock that stepped while no request came does not leave everything refused for a minute."""
+    guard = OverloadGuard(0.1)
+    assert guard.admit(stamp(T0), T0 + 0.001)
+    later = T0 + 3600
+    # The proxy's clock now runs 2 s behind this one.
+    assert guard.admit(stamp(later - 2), later)
+    assert guard.admit(stamp(later + 1 - 2), later + 1.01)
+    assert not guard.admit(stamp(later + 2 - 2), later + 2.3)
+
+
+def test_a_clock_that_steps_under_load_is_followed_within_the_span() -> None:
+    guard = OverloadGuard(0.1)
+    t = T0
+    while t < T0 + 10:
+        assert guard.admit(stamp(t), t + 0.002)
+        t += 0.01
+    # The proxy's clock steps 1 s back: every request looks 1 s late, for at most the span.
+    span = OverloadGuard.WINDOW * (OverloadGuard.WINDOWS + 1)
+    first_admitted = None
+    while t < T0 + 10 + 2 * span:
+        if guard.admit(stamp(t - 1), t + 0.002) and first_admitted is None:
+            first_admitted = t
+        t += 0.01
+    assert first_admitted is not None
+    assert first_admitted - (T0 + 10) <= span + 0.05
