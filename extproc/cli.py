@@ -201,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--overload-after", type=non_negative_float,
                        default=env("OVERLOAD_AFTER", "0.05"), metavar="SECONDS",
                        help="refuse at once (503 overloaded) a request that reaches extproc more than this "
-                       "after the proxy stamped its arrival: extproc is beyond its decision rate; 0: off "
+                       "after the proxy stamped its arrival, once such late ones have come for twice this on "
+                       "end (a standing queue: extproc is beyond its decision rate); 0: off "
                        "(env EXTPROC_OVERLOAD_AFTER; default %(default)s)")
     serve.add_argument("--admin", type=_optional_address,
                        default=_optional_address(env("ADMIN", "127.0.0.1:9091")), metavar="HOST:PORT|off",

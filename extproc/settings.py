@@ -35,8 +35,8 @@ class Settings:
     shutdown_grace_s: float = 30.0
     overload_after_s: float = 0.1
     """A request whose headers reach extproc more than this after the proxy stamped its arrival is
-    refused at once (503 overloaded) rather than decided: extproc is beyond its decision rate
-    (core/overload.py). 0: off."""
+    refused at once (503 overloaded) rather than decided, once such late ones have come for twice this
+    on end: extproc is beyond its decision rate (core/overload.py). 0: off."""
     seed: int | None = None
     admin: Address | None = Address("127.0.0.1", 9091)
     """The admin port (state, reload, drain, pause); None: no admin port."""

@@ -19,6 +19,11 @@ clock that steps or drifts moves that floor within ``WINDOWS * WINDOW`` seconds;
 that never lets one request through quickly raises it too, so the guard relaxes rather than refusing
 everything for good (Envoy's ``message_timeout`` still bounds what waits).
 
+A moment of lateness is not an overload: a pause of the process (a collection, a slow store call) leaves
+the requests that came meanwhile late, all at once, with nothing behind them. So a late request is
+refused only once every request for ``persist`` seconds (by default twice ``max_delay``) has come
+late: a standing queue, not a burst (the idea of CoDel's interval).
+
 It only ever looks at the first message of a stream: never at a request held in a lane's queue, never at
 a running generation. Pure logic, no I/O: ``servers/extproc.py`` asks it once per stream.
 """
@@ -42,11 +47,16 @@ class OverloadGuard:
     WINDOW = 2.0
     WINDOWS = 30
 
-    __slots__ = ("_floor", "_mins", "_window_end", "_window_min", "max_delay", "refused")
+    __slots__ = ("_floor", "_late_since", "_mins", "_window_end", "_window_min", "max_delay", "persist",
+                 "refused")
 
-    def __init__(self, max_delay: float) -> None:
+    def __init__(self, max_delay: float, persist: float | None = None) -> None:
         #: Seconds a request may wait before extproc sees it (0: the guard is off).
         self.max_delay = max_delay
+        #: Seconds without a request on time before late ones are refused.
+        self.persist = 2 * max_delay if persist is None else persist
+        #: When the current run of late requests began (None: the last request came on time).
+        self._late_since: float | None = None
         #: (end, smallest age) of each past window that saw a request, the oldest first.
         self._mins: deque[tuple[float, float]] = deque(maxlen=self.WINDOWS)
         self._window_min = float("inf")
@@ -74,6 +84,13 @@ class OverloadGuard:
             if age < self._floor:
                 self._floor = age
         if age - self._floor <= self.max_delay:
+            self._late_since = None
+            return True
+        since = self._late_since
+        if since is None:
+            self._late_since = now
+            return True  # late, but no standing queue (yet)
+        if now - since <= self.persist:
             return True
         self.refused += 1
         return False

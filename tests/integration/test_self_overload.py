@@ -73,9 +73,15 @@ def test_a_request_that_reaches_extproc_too_late_gets_its_own_503_at_once(env: E
     for _ in range(3):
         answer = asyncio.run(first_answer(env.extproc_grpc, stamp(0)))
         assert answer.WhichOneof("response") == "request_headers"
-    # Five seconds after the proxy stamped it: refused, never decided.
-    answer = asyncio.run(first_answer(env.extproc_grpc, stamp(5)))
-    assert answer.WhichOneof("response") == "immediate_response"
+    # Five seconds after the proxy stamped them, one after another: the first ones are decided (late
+    # ones all at once may be what a pause left behind), and once every request has come late for
+    # twice --overload-after (a standing queue), the next is refused, never decided.
+    kinds = []
+    while "immediate_response" not in kinds:
+        answer = asyncio.run(first_answer(env.extproc_grpc, stamp(5)))
+        kinds.append(answer.WhichOneof("response"))
+        assert len(kinds) < 1000, "never refused"
+    assert kinds[0] == "request_headers"
     immediate = answer.immediate_response
     got = {h.header.key: h.header.raw_value.decode() for h in immediate.headers.set_headers}
     # (529 as far as the proxy's extproc.overload_status filter, which turns it into a 503.)
@@ -155,15 +161,19 @@ def test_while_extproc_answers_overloaded_the_proxy_sheds_before_it_and_then_rec
     assert reasons(send(late, 5)) == {None: 5}  # on time: the guard learns the clock
     refused = late.metric("extproc_intake_rejections_total", reason="overloaded")
     answers = send(late, 150, late_by=5)
-    assert reasons(answers) == {"overloaded": 150}
-    for answer in answers:
+    # The first 0.2 s of late ones are decided (it might have been a burst), then refused.
+    decided = next(i for i, a in enumerate(answers) if a.status_code != 200)
+    assert decided >= 1
+    assert reasons(answers[decided:]) == {"overloaded": 150 - decided}, reasons(answers)
+    assert 150 - decided >= 50
+    for answer in answers[decided:]:
         # Never the 529 that carries extproc's refusal as far as the shed: what clients get is a 503.
         assert answer.status_code == 503
         assert answer.headers["retry-after"] == "1"
         assert answer.content == OVERLOADED
     by_extproc = late.metric("extproc_intake_rejections_total", reason="overloaded") - refused
     # extproc refused some itself; the shed refused the most of them before they reached extproc.
-    assert 1 <= by_extproc <= 75, by_extproc
+    assert 1 <= by_extproc <= (150 - decided) / 2, (by_extproc, decided)
     time.sleep(2 * SAMPLING_WINDOW)  # the shed remembers one sampling window of answers
     assert reasons(send(late, 30)) == {None: 30}
     late.wait_idle()
