@@ -43,8 +43,9 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
+# Two workers (pytest-xdist), a test module to each at a time: most tests wait on real processes.
 test: lint system-deps
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest -n 2 --dist loadfile
 
 unit: setup
 	$(VENV)/bin/pytest tests/unit

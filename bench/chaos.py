@@ -19,7 +19,7 @@ the engines' KV-cache usage from it) and `extproc serve` — under the demo's ch
   side (the signal goes stale and is ignored), leaks.
 * cancels — 10,000 requests whose clients go away at random moments (while queued, while
   streaming, right after sending): extproc's in-flight and queued counts drop to 0.
-* soak — 30 minutes at 2.0x (``--soak-minutes``): extproc's RSS and open files, sampled every 30 s
+* soak — 30 minutes at 2.0x (``--soak-minutes``): extproc's RSS and open files, sampled every 10 s
   with the requests Envoy received so far; after a warm-up, the RSS growth and the least-squares slope
   of RSS over requests (``bytes_per_request``; targets: growth ≤ 3 %, ≤ 10 bytes per request).
 * soak_fast — 550 requests/s (``--fast-rate``) through Envoy to the instant upstream
@@ -684,7 +684,7 @@ def cancels(workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
 SOAK_MAX_GROWTH = 0.03
 SOAK_MAX_BYTES_PER_REQUEST = 10.0
 #: How often the soaks sample RSS, open files and Envoy's request count.
-SOAK_SAMPLE_S = 30.0
+SOAK_SAMPLE_S = 10.0
 
 
 def slope(xs: list[float], ys: list[float]) -> float:
@@ -712,12 +712,14 @@ def memory_verdict(series: list[dict[str, float]], warmup: float) -> dict[str, A
 
 
 async def sample_memory(b: Bench, pid: int, duration: float, series: list[dict[str, float]]) -> None:
-    """Every SOAK_SAMPLE_S: extproc's RSS and open files, and the requests Envoy received so far."""
+    """Every SOAK_SAMPLE_S: extproc's RSS and open files, the requests Envoy received so far, and those it
+    has open (``active``: held and running; what they hold is memory in use, not a leak)."""
     origin = time.monotonic()
     while True:
         requests = await asyncio.to_thread(b.envoy_counter, "http.inference.downstream_rq_total")
+        active = await asyncio.to_thread(b.envoy_counter, "http.inference.downstream_rq_active")
         series.append({"t": round(time.monotonic() - origin, 1), "rss_mb": round(rss_mb(pid), 3),
-                       "fds": open_files(pid), "requests": requests})
+                       "fds": open_files(pid), "requests": requests, "active": active})
         if time.monotonic() - origin >= duration:
             return
         await asyncio.sleep(min(SOAK_SAMPLE_S, max(0.0, duration - (time.monotonic() - origin))))

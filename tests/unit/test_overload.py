@@ -13,7 +13,8 @@ def stamp(at: float) -> bytes:
     return f"{at:.3f}".encode()
 
 
-def late_for(guard: OverloadGuard, start: float, seconds: float, delay: float, step: float = 0.01) -> list[bool]:
+def late_for(guard: OverloadGuard, start: float, seconds: float, delay: float,
+             step: float = 0.01) -> list[bool]:
     """Requests every ``step`` seen ``delay`` after their stamp, from ``start`` for ``seconds``."""
     answers, t = [], start
     while t < start + seconds:
@@ -100,7 +101,8 @@ def test_after_a_quiet_spell_the_floor_is_learnt_again() -> None:
     assert guard.admit(stamp(later - 2), later)
     assert guard.admit(stamp(later + 1 - 2), later + 1.01)
     answers = late_for(guard, later + 2, 1.0, 2.3)
-    assert answers[0] and not any(answers[22:])
+    assert answers[0]
+    assert not any(answers[22:])
 
 
 def test_a_clock_that_steps_under_load_is_followed_within_the_span() -> None:
