@@ -22,7 +22,9 @@ everything for good (Envoy's ``message_timeout`` still bounds what waits).
 A moment of lateness is not an overload: a pause of the process (a collection, a slow store call) leaves
 the requests that came meanwhile late, all at once, with nothing behind them. So a late request is
 refused only once every request for ``persist`` seconds (by default twice ``max_delay``) has come
-late: a standing queue, not a burst (the idea of CoDel's interval).
+late: a standing queue, not a burst (the idea of CoDel's interval). Once it refuses, a late request
+within ``RECALL`` seconds of the last refusal is refused at once (as CoDel re-enters its dropping
+state): an overload that lets one request through on time now and then is still an overload.
 
 It only ever looks at the first message of a stream: never at a request held in a lane's queue, never at
 a running generation. Pure logic, no I/O: ``servers/extproc.py`` asks it once per stream.
@@ -47,8 +49,11 @@ class OverloadGuard:
     WINDOW = 2.0
     WINDOWS = 30
 
-    __slots__ = ("_floor", "_late_since", "_mins", "_window_end", "_window_min", "max_delay", "persist",
-                 "refused")
+    #: Seconds after a refusal during which a late request is refused without waiting ``persist`` again.
+    RECALL = 1.0
+
+    __slots__ = ("_floor", "_last_refusal", "_late_since", "_mins", "_window_end", "_window_min", "max_delay",
+                 "persist", "refused")
 
     def __init__(self, max_delay: float, persist: float | None = None) -> None:
         #: Seconds a request may wait before extproc sees it (0: the guard is off).
@@ -57,6 +62,7 @@ class OverloadGuard:
         self.persist = 2 * max_delay if persist is None else persist
         #: When the current run of late requests began (None: the last request came on time).
         self._late_since: float | None = None
+        self._last_refusal = float("-inf")
         #: (end, smallest age) of each past window that saw a request, the oldest first.
         self._mins: deque[tuple[float, float]] = deque(maxlen=self.WINDOWS)
         self._window_min = float("inf")
@@ -87,11 +93,13 @@ class OverloadGuard:
             self._late_since = None
             return True
         since = self._late_since
-        if since is None:
-            self._late_since = now
-            return True  # late, but no standing queue (yet)
-        if now - since <= self.persist:
-            return True
+        if now - self._last_refusal > self.RECALL:
+            if since is None:
+                self._late_since = now
+                return True  # late, but no standing queue (yet)
+            if now - since <= self.persist:
+                return True
+        self._last_refusal = now
         self.refused += 1
         return False
 

@@ -120,3 +120,19 @@ def test_a_clock_that_steps_under_load_is_followed_within_the_span() -> None:
         t += 0.01
     assert first_admitted is not None
     assert first_admitted - (T0 + 10) <= span + 0.05
+
+
+def test_an_overload_that_lets_one_through_on_time_now_and_then_stays_refused() -> None:
+    """After a refusal, late requests are refused at once for RECALL seconds: an on-time one between
+    them does not buy the next late ones another wait."""
+    guard = OverloadGuard(0.1)
+    assert guard.admit(stamp(T0), T0 + 0.001)
+    answers = late_for(guard, T0 + 1, 0.5, 0.3)
+    assert not answers[-1]
+    t = T0 + 1.5
+    assert guard.admit(stamp(t), t + 0.01)  # on time
+    assert not guard.admit(stamp(t + 0.1 - 0.3), t + 0.1)  # late again at once: refused
+    # Long after the last refusal, a late burst gets the wait again.
+    t = T0 + 1.6 + OverloadGuard.RECALL + 1
+    assert guard.admit(stamp(t), t + 0.01)
+    assert guard.admit(stamp(t + 0.1 - 0.3), t + 0.1)
