@@ -99,8 +99,10 @@ class FakeStore:
 
 def shared(rig: Rig, **store: Any) -> FakeStore:
     fake = FakeStore(rig.clock, **store)
+    # The fake answers in-process at once; a busy machine (a parallel test run) must not turn that into
+    # the 20 ms timeout. The tests of the timeout set their own.
     rig.service = RateLimitService(rig.pressure, rig.metrics, lambda: rig.config, clock=rig.clock,
-                                   rng=random.Random(1), store=fake)
+                                   rng=random.Random(1), store=fake, store_timeout=30.0)
     return fake
 
 
