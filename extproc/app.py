@@ -74,6 +74,7 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
     if settings.store and not settings.store.startswith("memory:"):
         try:
             ledger = open_ledger(settings.store, prefix=settings.store_prefix,
+                                 timeout=settings.store_timeout_s,
                                  fail_open=settings.store_fail_open, ttl=settings.store_ttl_s,
                                  fleet_size=settings.store_fleet_size)
         except ValueError as exc:

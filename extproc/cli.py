@@ -105,7 +105,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                         store=args.store or None, store_fail_open=args.store_fail == "open",
                         store_ttl_s=args.store_ttl, store_prefix=args.store_prefix,
                         store_fleet_size=args.store_fleet_size, store_share_fleet=args.store_share == "fleet",
-                        store_budget_timeout_s=args.store_budget_timeout,
+                        store_budget_timeout_s=args.store_budget_timeout, store_timeout_s=args.store_timeout,
                         admin_hosts=tuple(h.strip() for h in args.admin_hosts.split(",") if h.strip()),
                         metrics_token=metrics_token, log_key=log_key.encode() if log_key else None)
     try:
@@ -251,6 +251,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the longest the rate limit service waits for the store's tenant budgets "
                        "before deciding alone with its part of each budget; keep it well under Envoy's "
                        "ratelimit filter timeout (env EXTPROC_STORE_BUDGET_TIMEOUT; default %(default)s)")
+    serve.add_argument("--store-timeout", type=positive_float,
+                       default=env("STORE_TIMEOUT", "0.05"), metavar="SECONDS",
+                       help="the longest a decision waits for one store reply; past it the replica counts "
+                       "the store as away (--store-fail) until its heartbeat gets through. Raise it for a "
+                       "store that is far away (env EXTPROC_STORE_TIMEOUT; default %(default)s)")
     serve.add_argument("--store-ttl", type=float, default=float(env("STORE_TTL", "15")), metavar="SECONDS",
                        help="lease lifetime: how long a dead replica's slots stay taken "
                        "(default %(default)s)")

@@ -60,6 +60,8 @@ class Settings:
     """The longest the rate limit service waits for the store's tenant budgets before it decides alone
     (its part of each budget): well within Envoy's ratelimit filter timeout (50 ms shipped), so a slow
     store never makes Envoy pass a request unjudged."""
+    store_timeout_s: float = 0.05
+    """The longest a decision waits for one store reply (then the store counts as away)."""
     store_prefix: str = "extproc"
     store_share_fleet: bool = True
     """With a store: tenant budgets, the retry budget and tenants' fair shares are one for the whole

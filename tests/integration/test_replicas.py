@@ -91,6 +91,9 @@ def cluster(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
         for i in range(replicas):
             grpc, http = free_port(), free_port()
             process = stack.extproc(path, grpc, http, "--store", redis.url, "--store-ttl", str(TTL),
+                                    # Exact while the store answers in time: a loaded machine (a parallel
+                                    # test run) must not make a reply late (the outage tests cut it).
+                                    "--store-timeout", "1",
                                     "--log-format", "json", *extra, name=f"extproc{i}", wait=False)
             listen, admin = free_port(), free_port()
             stack.envoy(envoy_config(listen, admin, upstream, grpc), name=f"envoy{i}")
