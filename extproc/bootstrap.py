@@ -28,7 +28,7 @@ API_KEY_FILTER = "envoy.filters.http.api_key_auth"
 GATE_FILTER = "extproc.admission_gate"
 #: Reads a response's token usage for the tenant budgets (and strips the usage event extproc asked for).
 USAGE_FILTER = "extproc.usage"
-#: Before ext_proc: sheds new requests in proportion to the 503s while extproc is overloaded itself.
+#: Before ext_proc: sheds new requests in proportion to extproc's "overloaded" answers (status 529).
 OVERLOAD_FILTER = "envoy.filters.http.admission_control"
 #: Before the shed: turns extproc's "overloaded" status (529, the shed's signal) into the 503 clients get.
 OVERLOAD_STATUS_FILTER = "extproc.overload_status"

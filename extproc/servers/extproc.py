@@ -652,7 +652,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     # make a second ticket, which would leave the first one's slot behind.
                     self.controller.metrics.stream_errors.labels("repeated_headers").inc()
                     response = _passthrough(kind)
-                elif kind == "request_headers" and not self.overload.admit(
+                elif kind == "request_headers" and self.overload.max_delay > 0 and not self.overload.admit(
                         _arrival(message.request_headers), time.time()):
                     # Beyond its decision rate: a prebuilt refusal, and no decision record (its cost is
                     # what the guard saves); counted, and logged once in a while.
