@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import pytest
 
-from extproc.state import GlobalView, LaneLimits, Ledger, Limits, Verdict
+from extproc.state import GlobalView, LaneLimits, Ledger, Limits, SlotVerdict
 
 #: Short enough that expiry tests wait well under a second, long enough to renew several times.
 TINY_TTL = 0.4
@@ -41,7 +41,7 @@ async def eventually(check: Callable[[], Awaitable[bool]], within: float = 5.0) 
 
 
 async def grant_all(ledger: Ledger, lane: str, leases: list[str], limits: Limits,
-                    rank: float | None = None) -> list[Verdict]:
+                    rank: float | None = None) -> list[SlotVerdict]:
     return [await ledger.acquire(lane, lease, limits, rank) for lease in leases]
 
 
@@ -67,9 +67,9 @@ class LedgerContract:
 
     async def test_grants_up_to_the_lane_limit_then_refuses(self, backend: Backend) -> None:
         ledger = await backend.make()
-        assert await grant_all(ledger, "batch", ["b1", "b2"], TWO) == [Verdict.GRANTED] * 2
+        assert await grant_all(ledger, "batch", ["b1", "b2"], TWO) == [SlotVerdict.GRANTED] * 2
         verdict = await ledger.acquire("batch", "b3", TWO)
-        assert verdict is Verdict.LANE_FULL
+        assert verdict is SlotVerdict.LANE_FULL
         assert not verdict
         assert await ledger.acquire("interactive", "i1", TWO)  # the other lane is unaffected
         view = await ledger.view()
@@ -78,14 +78,14 @@ class LedgerContract:
     async def test_release_frees_a_slot_and_is_idempotent(self, backend: Backend) -> None:
         a, b = await backend.make(), await backend.make()
         await grant_all(a, "batch", ["x", "y"], TWO)
-        assert await b.acquire("batch", "z", TWO) is Verdict.LANE_FULL
+        assert await b.acquire("batch", "z", TWO) is SlotVerdict.LANE_FULL
         await a.release("batch", "x")
         await a.release("batch", "x")
         await a.release("batch", "never-acquired")
         await b.release("batch", "y")  # the same lease id from another replica is another lease
         assert inflight(await a.view(), "batch") == 1
         assert await b.acquire("batch", "z", TWO)
-        assert await b.acquire("batch", "w", TWO) is Verdict.LANE_FULL
+        assert await b.acquire("batch", "w", TWO) is SlotVerdict.LANE_FULL
 
     async def test_completions_are_counted_per_lane_over_every_replica(self, backend: Backend) -> None:
         a, b = await backend.make(), await backend.make()
@@ -140,26 +140,26 @@ class LedgerContract:
         ledger = await backend.make()
         await grant_all(ledger, "interactive", ["i1", "i2", "i3"], limits)
         assert await ledger.acquire("batch", "b1", limits)
-        assert await ledger.acquire("batch", "b2", limits) is Verdict.CAPACITY
-        assert await ledger.acquire("interactive", "i4", limits) is Verdict.CAPACITY
+        assert await ledger.acquire("batch", "b2", limits) is SlotVerdict.CAPACITY
+        assert await ledger.acquire("interactive", "i4", limits) is SlotVerdict.CAPACITY
 
     async def test_a_lane_that_may_not_borrow_stops_at_its_quota_with_slots_idle(
             self, backend: Backend) -> None:
         ledger = await backend.make()
         await grant_all(ledger, "batch", ["b1", "b2"], TWO)
-        assert await ledger.acquire("batch", "b3", TWO) is Verdict.LANE_FULL
+        assert await ledger.acquire("batch", "b3", TWO) is SlotVerdict.LANE_FULL
         assert sum((await ledger.view()).inflight.values()) == 2  # 3 slots of capacity idle
 
     async def test_a_borrowing_lane_takes_idle_slots(self, backend: Backend) -> None:
         ledger = await backend.make()
         verdicts = await grant_all(ledger, "batch", ["b1", "b2", "b3", "b4", "b5"], BORROW)
-        assert verdicts == [Verdict.GRANTED] * 5
-        assert await ledger.acquire("batch", "b6", BORROW) is Verdict.CAPACITY
+        assert verdicts == [SlotVerdict.GRANTED] * 5
+        assert await ledger.acquire("batch", "b6", BORROW) is SlotVerdict.CAPACITY
 
     async def test_borrowing_stops_at_max_borrow(self, backend: Backend) -> None:
         ledger = await backend.make()
         await grant_all(ledger, "batch", ["b1", "b2", "b3"], CAPPED)
-        assert await ledger.acquire("batch", "b4", CAPPED) is Verdict.BORROW_LIMIT
+        assert await ledger.acquire("batch", "b4", CAPPED) is SlotVerdict.BORROW_LIMIT
         assert await ledger.acquire("interactive", "i1", CAPPED)
 
     async def test_borrowing_stops_where_slots_are_owed_to_work_queued_on_another_replica(
@@ -168,7 +168,7 @@ class LedgerContract:
         await grant_all(a, "batch", ["b1", "b2"], BORROW)  # batch at quota, 3 slots free
         await b.publish_queue({"interactive": 2}, {"interactive": 100.0})
         assert await a.acquire("batch", "b3", BORROW)  # 3 free, 2 owed to interactive: 1 to lend
-        assert await a.acquire("batch", "b4", BORROW) is Verdict.OWED
+        assert await a.acquire("batch", "b4", BORROW) is SlotVerdict.OWED
         await b.publish_queue({"interactive": 0}, {"interactive": None})
         assert await a.acquire("batch", "b4", BORROW)
 
@@ -178,7 +178,7 @@ class LedgerContract:
         await grant_all(a, "batch", ["b1", "b2"], BORROW)
         await b.publish_queue({"interactive": 5}, {"interactive": 100.0})
         # 1 free, owed min(5 queued, 1 of quota left) = 1: nothing to lend.
-        assert await a.acquire("batch", "b3", BORROW) is Verdict.OWED
+        assert await a.acquire("batch", "b3", BORROW) is SlotVerdict.OWED
         assert await a.acquire("interactive", "i3", BORROW)  # a lane within quota is never owed-blocked
 
     async def test_a_dead_replicas_queue_stops_counting(self, backend: Backend) -> None:
@@ -187,7 +187,7 @@ class LedgerContract:
         await grant_all(a, "batch", ["b1", "b2"], BORROW)
         await b.publish_queue({"interactive": 3}, {"interactive": 1.0})
         assert (await a.view()).queued == {"interactive": 3}
-        assert await a.acquire("batch", "b3", BORROW) is Verdict.OWED
+        assert await a.acquire("batch", "b3", BORROW) is SlotVerdict.OWED
 
         async def forgotten() -> bool:
             return (await a.view()).queued == {}
@@ -201,8 +201,8 @@ class LedgerContract:
         b = await backend.make(rank_tolerance=0.5)
         await grant_all(a, "batch", ["b1"], TWO)  # one batch slot left
         await b.publish_queue({"batch": 4}, {"batch": 100.0})
-        assert await a.acquire("batch", "x", TWO, rank=101.0) is Verdict.OUTRANKED
-        assert await a.acquire("batch", "x", TWO, rank=100.5) is Verdict.GRANTED  # within tolerance
+        assert await a.acquire("batch", "x", TWO, rank=101.0) is SlotVerdict.OUTRANKED
+        assert await a.acquire("batch", "x", TWO, rank=100.5) is SlotVerdict.GRANTED  # within tolerance
         await a.release("batch", "x")
         assert await a.acquire("batch", "y", TWO)  # no rank: no global-order check
         await a.release("batch", "y")
@@ -212,12 +212,12 @@ class LedgerContract:
         a, b = await backend.make(rank_tolerance=0.0), await backend.make(rank_tolerance=0.0)
         await b.publish_queue({"batch": 1}, {"batch": 1.0})
         assert await a.acquire("batch", "x", TWO, rank=9.0)  # 2 free, 1 better head elsewhere
-        assert await a.acquire("batch", "y", TWO, rank=9.0) is Verdict.OUTRANKED
+        assert await a.acquire("batch", "y", TWO, rank=9.0) is SlotVerdict.OUTRANKED
         c = await backend.make(rank_tolerance=0.0)
         await c.publish_queue({"interactive": 1}, {"interactive": 2.0})
         assert await a.acquire("interactive", "i", TWO, rank=9.0)  # 3 free, 1 better
         assert await a.acquire("interactive", "j", TWO, rank=9.0)  # 2 free, 1 better
-        assert await a.acquire("interactive", "k", TWO, rank=9.0) is Verdict.OUTRANKED
+        assert await a.acquire("interactive", "k", TWO, rank=9.0) is SlotVerdict.OUTRANKED
 
     # -- leases ------------------------------------------------------------------------------
 
@@ -225,7 +225,7 @@ class LedgerContract:
         dead = await backend.make(ttl=TINY_TTL, queue_ttl=TINY_TTL, renew=False)
         live = await backend.make(ttl=TINY_TTL, queue_ttl=TINY_TTL)
         await grant_all(dead, "batch", ["b1", "b2"], TWO)
-        assert await live.acquire("batch", "x", TWO) is Verdict.LANE_FULL
+        assert await live.acquire("batch", "x", TWO) is SlotVerdict.LANE_FULL
 
         async def freed() -> bool:
             return bool(await live.acquire("batch", "x", TWO))
@@ -237,7 +237,7 @@ class LedgerContract:
         other = await backend.make(ttl=TINY_TTL, queue_ttl=TINY_TTL)
         await grant_all(holder, "batch", ["b1", "b2"], TWO)
         await asyncio.sleep(TINY_TTL * 2)
-        assert await other.acquire("batch", "x", TWO) is Verdict.LANE_FULL
+        assert await other.acquire("batch", "x", TWO) is SlotVerdict.LANE_FULL
         assert inflight(await other.view(), "batch") == 2
 
     async def test_a_restarted_replica_never_double_counts(self, backend: Backend) -> None:
@@ -245,7 +245,7 @@ class LedgerContract:
         await grant_all(before, "batch", ["1", "2"], TWO)
         after = await backend.make(ttl=TINY_TTL, queue_ttl=TINY_TTL)  # the same replica, restarted
         assert after.replica != before.replica
-        assert await after.acquire("batch", "1", TWO) is Verdict.LANE_FULL  # "1" is not its lease
+        assert await after.acquire("batch", "1", TWO) is SlotVerdict.LANE_FULL  # "1" is not its lease
 
         async def settled() -> bool:
             return inflight(await after.view(), "batch") == 0
@@ -283,7 +283,7 @@ class LedgerContract:
         live = await backend.make(ttl=TINY_TTL, queue_ttl=TINY_TTL)
         woken = Woken(live)
         await grant_all(dead, "batch", ["b1", "b2"], TWO)
-        assert await live.acquire("batch", "x", TWO) is Verdict.LANE_FULL
+        assert await live.acquire("batch", "x", TWO) is SlotVerdict.LANE_FULL
         # As the controller does: wait to be woken, retry, and go back to waiting if still full.
         # Nobody acquires or releases meanwhile: only expiry (of the leases, or of the dead
         # replica's liveness mark) can wake it, and only the leases' can let it in.

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from extproc.core.decision import Outcome, Reason
-from extproc.core.drain import Rate, ReturnSchedule, Told
+from extproc.core.drain import CompletionRate, ReturnSchedule, Told
 from extproc.core.estimate import Estimator, Job
 from extproc.core.queue import Entry, LaneQueue, rank_of
 from extproc.core.retry import bounds, retry_after
@@ -147,7 +147,7 @@ class Scheduler:
         self.reclaimed = 0
         # How fast each lane frees slots: this replica's own completions, and the fleet's (from the
         # shared store's counters) when a store says.
-        self._completions: dict[str, Rate] = {}
+        self._completions: dict[str, CompletionRate] = {}
         self._fleet_rates: dict[str, float] = {}
         self._replicas = 1
         self._schedule = ReturnSchedule(self._tenant_weight)
@@ -532,7 +532,7 @@ class Scheduler:
                 self._n_inflight -= 1
                 rate = self._completions.get(ticket.lane)
                 if rate is None:
-                    rate = self._completions[ticket.lane] = Rate()
+                    rate = self._completions[ticket.lane] = CompletionRate()
                 rate.add(now)
                 if not inflight and not self._queues[ticket.lane]:
                     rate.pause(now)  # idle: completing nothing says nothing of its pace

@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import replace
 
-from extproc.core.edge import Ask
+from extproc.core.edge import BudgetAsk
 
 
 class Backlog:
@@ -25,14 +25,14 @@ class Backlog:
         if max_tenants < 1:
             raise ValueError(f"max_tenants must be at least 1, got {max_tenants}")
         self.max_tenants = max_tenants
-        self._asks: OrderedDict[tuple[str, str], Ask] = OrderedDict()
+        self._asks: OrderedDict[tuple[str, str], BudgetAsk] = OrderedDict()
         self.dropped = 0
         """Entries dropped to stay within ``max_tenants`` since start."""
 
     def __len__(self) -> int:
         return len(self._asks)
 
-    def keep(self, asks: Iterable[Ask]) -> int:
+    def keep(self, asks: Iterable[BudgetAsk]) -> int:
         """Add charges (only ``charge`` operations are kept); returns how many entries were dropped."""
         before = self.dropped
         for ask in asks:
@@ -46,7 +46,7 @@ class Backlog:
             self.dropped += 1
         return self.dropped - before
 
-    def take(self) -> list[Ask]:
+    def take(self) -> list[BudgetAsk]:
         """Everything kept, oldest first; the backlog is empty afterwards."""
         asks = list(self._asks.values())
         self._asks.clear()

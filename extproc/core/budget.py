@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
-class Rate:
+class Refill:
     """How fast a bucket refills and how much it can hold."""
 
     per_second: float
@@ -36,7 +36,7 @@ class Rate:
 
 
 @dataclass(frozen=True, slots=True)
-class Verdict:
+class BucketVerdict:
     allowed: bool
     remaining: float
     """Units left in the bucket after the call (negative while in debt)."""
@@ -53,26 +53,26 @@ class _Bucket:
         self.level = level
         self.at = at
 
-    def refill(self, rate: Rate, now: float) -> None:
+    def refill(self, rate: Refill, now: float) -> None:
         # A clock that steps back must not drain the bucket: elapsed time is never negative.
         elapsed = max(now - self.at, 0.0)
         self.level = min(rate.burst, self.level + elapsed * rate.per_second)
         self.at = max(self.at, now)
 
 
-def verdict(allowed: bool, level: float, need: float, rate: Rate) -> Verdict:
+def verdict(allowed: bool, level: float, need: float, rate: Refill) -> BucketVerdict:
     """The verdict of a call that left ``level`` in a bucket of ``rate`` (``need``: what it asked
     for; a charge asks for one unit). A shared store answers with levels; this makes them verdicts."""
     wait = 0.0 if allowed else max(need - level, 0.0) / rate.per_second
-    return Verdict(allowed, level, wait, max(rate.burst - level, 0.0) / rate.per_second)
+    return BucketVerdict(allowed, level, wait, max(rate.burst - level, 0.0) / rate.per_second)
 
 
-def part(rate: Rate, replicas: int) -> Rate:
+def part(rate: Refill, replicas: int) -> Refill:
     """One replica's part of a budget ``replicas`` share without talking (a store outage): the rate
     and the burst divided, the burst never below one unit (a request must fit)."""
     if replicas <= 1:
         return rate
-    return Rate(rate.per_second / replicas, max(rate.burst / replicas, 1.0))
+    return Refill(rate.per_second / replicas, max(rate.burst / replicas, 1.0))
 
 
 class Budget:
@@ -101,7 +101,7 @@ class Budget:
         self._max_keys = max_keys
         self._evict()
 
-    def check(self, key: str, rate: Rate, need: float, now: float) -> Verdict:
+    def check(self, key: str, rate: Refill, need: float, now: float) -> BucketVerdict:
         """Whether ``need`` units are there, without taking them."""
         bucket = self._buckets.get(key)
         if bucket is None:
@@ -111,7 +111,7 @@ class Budget:
         self._buckets.move_to_end(key)
         return verdict(bucket.level >= need, bucket.level, need, rate)
 
-    def take(self, key: str, rate: Rate, amount: float, now: float) -> Verdict:
+    def take(self, key: str, rate: Refill, amount: float, now: float) -> BucketVerdict:
         """Take ``amount`` units if they are all there; otherwise take nothing."""
         bucket = self._bucket(key, rate, now)
         allowed = bucket.level >= amount
@@ -119,14 +119,14 @@ class Budget:
             bucket.level -= amount
         return verdict(allowed, bucket.level, amount, rate)
 
-    def charge(self, key: str, rate: Rate, amount: float, now: float) -> Verdict:
+    def charge(self, key: str, rate: Refill, amount: float, now: float) -> BucketVerdict:
         """Take ``amount`` units whatever the level: what was used is used. ``allowed`` says
         whether at least one unit is left afterwards."""
         bucket = self._bucket(key, rate, now)
         bucket.level -= max(amount, 0.0)
         return verdict(bucket.level >= 1.0, bucket.level, 1.0, rate)
 
-    def apply(self, op: str, key: str, rate: Rate, amount: float, now: float) -> Verdict:
+    def apply(self, op: str, key: str, rate: Refill, amount: float, now: float) -> BucketVerdict:
         """``check``, ``take`` or ``charge`` by name (the operations a shared store is sent)."""
         if op == "take":
             return self.take(key, rate, amount, now)
@@ -136,7 +136,7 @@ class Budget:
             return self.check(key, rate, amount, now)
         raise ValueError(f"unknown budget operation {op!r}")
 
-    def _bucket(self, key: str, rate: Rate, now: float) -> _Bucket:
+    def _bucket(self, key: str, rate: Refill, now: float) -> _Bucket:
         bucket = self._buckets.get(key)
         if bucket is None:
             bucket = self._buckets[key] = _Bucket(rate.burst, now)

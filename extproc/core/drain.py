@@ -2,7 +2,7 @@
 
 Retry-After should say when a request rejected now would get a slot if it came back: the requests
 ahead of it in its lane (over every replica) divided by how fast the lane completes requests
-(over every replica). :class:`Rate` is an exponentially weighted event rate: each completion adds
+(over every replica). :class:`CompletionRate` is an exponentially weighted event rate: each completion adds
 ``1/tau`` and the estimate decays by ``e^(-dt/tau)``, so it follows a change in throughput within
 a few ``tau`` and needs no timer. :class:`FleetRate` turns the fleet's completion counters (one
 per lane in the shared store, read on each sync) into the same kind of estimate.
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 TAU = 10.0
 
 
-class Rate:
+class CompletionRate:
     """Events per second, exponentially weighted over ``tau``; it does not decay while paused (a
     lane with nothing to do completes nothing, and that says nothing of how fast it drains)."""
 
@@ -78,7 +78,7 @@ class FleetRate:
     def __init__(self, tau: float = TAU) -> None:
         self.tau = tau
         self._last: dict[str, tuple[int, float]] = {}
-        self._rates: dict[str, Rate] = {}
+        self._rates: dict[str, CompletionRate] = {}
 
     def update(self, counters: Mapping[str, int], now: float) -> None:
         for lane, count in counters.items():
@@ -88,7 +88,7 @@ class FleetRate:
                 # A first reading, the store restarted empty, or readings missed for a while (what
                 # completed meanwhile would count as a burst now): a new baseline.
                 continue
-            rate = self._rates.setdefault(lane, Rate(self.tau))
+            rate = self._rates.setdefault(lane, CompletionRate(self.tau))
             rate.watch(before[1])
             if count > before[0]:
                 rate.add(now, count - before[0])

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from extproc.core.admission import Scheduler
-from extproc.core.budget import Budget, Rate, Verdict
+from extproc.core.budget import BucketVerdict, Budget, Refill
 from extproc.core.decision import Reason, Rejection, reject
 from extproc.core.drain import Told
 from extproc.core.intake import Intake
@@ -186,13 +186,13 @@ def lane_check(name: str, lane: Lane, pressure: LanePressure, *, tenant: str, we
     return Check(False, None, label, room, None, remaining, 0.0)
 
 
-def rate_of(limit: int, tenant_limit: TenantLimit) -> Rate:
+def rate_of(limit: int, tenant_limit: TenantLimit) -> Refill:
     """The bucket for ``limit`` units per ``tenant_limit.per``; it always holds at least one unit."""
-    return Rate(limit / tenant_limit.unit_seconds, max(limit * tenant_limit.burst, 1.0))
+    return Refill(limit / tenant_limit.unit_seconds, max(limit * tenant_limit.burst, 1.0))
 
 
 def budget_check(name: str, reason: Reason, limit: int, tenant_limit: TenantLimit,
-                 verdict: Verdict) -> Check:
+                 verdict: BucketVerdict) -> Check:
     reset = verdict.full_s if verdict.allowed else verdict.wait_s
     return Check(not verdict.allowed, None if verdict.allowed else reason, name, limit,
                  tenant_limit.per, max(math.floor(verdict.remaining), 0), reset)
@@ -231,13 +231,13 @@ REQUESTS = "requests"
 
 
 @dataclass(frozen=True, slots=True)
-class Ask:
+class BudgetAsk:
     """One budget operation an arrival (or a usage report) needs."""
 
     kind: str
     """``tokens`` or ``requests``."""
     tenant: str
-    rate: Rate
+    rate: Refill
     amount: float
     op: str
     """``check``, ``take`` (all or nothing) or ``charge`` (may go into debt): ``Budget.apply``."""
@@ -252,7 +252,7 @@ class Assessment:
     lane: str
     tenant: str
     checks: tuple[Check, ...]
-    asks: tuple[Ask, ...]
+    asks: tuple[BudgetAsk, ...]
     shadow: bool
 
 
@@ -278,7 +278,7 @@ class Edge:
         self.tokens = Budget(max_tenants)
         #: True when a fleet's shared store keeps the budgets: charges are queued in ``charges``.
         self.shared = False
-        self.charges: list[Ask] = []
+        self.charges: list[BudgetAsk] = []
         #: ``request``'s answers for arrival descriptors seen under the current intake.
         self._arrivals: dict[tuple[tuple[str, str], ...], tuple[str, list[str]]] = {}
         self._lanes: dict[str, Lane] = {}
@@ -327,10 +327,10 @@ class Edge:
         assessment = self.assess(config, entries, hits, now)
         return self.conclude(assessment, self.settle(assessment.asks, now))
 
-    def settle(self, asks: Sequence[Ask], now: float) -> list[Verdict]:
+    def settle(self, asks: Sequence[BudgetAsk], now: float) -> list[BucketVerdict]:
         """``asks`` against this edge's own budgets, in order (the rule of ``bucket.lua``: a take
         after a refusal only checks)."""
-        verdicts: list[Verdict] = []
+        verdicts: list[BucketVerdict] = []
         for ask in asks:
             op = "check" if ask.op == "take" and any(not v.allowed for v in verdicts) else ask.op
             budget = self.tokens if ask.kind == TOKENS else self.requests
@@ -373,20 +373,20 @@ class Edge:
             open_lanes = [c for c in lane_checks if not c.over]
             checks.append(open_lanes[0] if open_lanes else lane_checks[0])
         limits = config.budgets.of(tenant)
-        asks: list[Ask] = []
+        asks: list[BudgetAsk] = []
         if limits.tokens is not None:
             # In debt: shed. Only looked at: tokens are charged when the response has used them.
-            asks.append(Ask(TOKENS, tenant, rate_of(limits.tokens, limits), 1.0, "check", limits.tokens,
+            asks.append(BudgetAsk(TOKENS, tenant, rate_of(limits.tokens, limits), 1.0, "check", limits.tokens,
                             limits))
         if limits.requests is not None:
             # Taken only when nothing else refuses the request: a refused request costs nothing.
             op = "check" if any(c.over for c in checks) else "take"
-            asks.append(Ask(REQUESTS, tenant, rate_of(limits.requests, limits), float(hits), op,
+            asks.append(BudgetAsk(REQUESTS, tenant, rate_of(limits.requests, limits), float(hits), op,
                             limits.requests, limits))
         lane = candidates[0] if len(candidates) == 1 else ANY_LANE
         return Assessment(lane, tenant, tuple(checks), tuple(asks), shadow)
 
-    def conclude(self, assessment: Assessment, verdicts: Sequence[Verdict]) -> Judgement:
+    def conclude(self, assessment: Assessment, verdicts: Sequence[BucketVerdict]) -> Judgement:
         """The judgement, once the budgets answered ``assessment.asks`` (one verdict each, in order)."""
         checks = list(assessment.checks)
         for ask, verdict in zip(assessment.asks, verdicts, strict=True):
@@ -408,7 +408,8 @@ class Edge:
         if limits.tokens is not None and tokens > 0:
             rate = rate_of(limits.tokens, limits)
             if self.shared:
-                self.charges.append(Ask(TOKENS, tenant, rate, float(tokens), "charge", limits.tokens, limits))
+                self.charges.append(BudgetAsk(TOKENS, tenant, rate, float(tokens), "charge", limits.tokens,
+                                              limits))
             else:
                 self.tokens.charge(tenant, rate, tokens, now)
         return tenant

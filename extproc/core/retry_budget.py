@@ -32,7 +32,7 @@ import math
 from collections import deque
 from collections.abc import Mapping
 
-from extproc.policy.ratelimit import RetryBudget as RetryBudgetPolicy
+from extproc.policy.ratelimit import RetryBudgetPolicy
 
 #: Slots in the window's ring: the window slides in steps of window / SLOTS.
 SLOTS = 10

@@ -110,7 +110,7 @@ class RateLimit(_Strict):
         return self.ask_usage and self.mode != "off" and self.budgets.tokens
 
 
-class RetryBudget(_Strict):
+class RetryBudgetPolicy(_Strict):
     """Retries may be at most ``ratio`` of the admitted original requests, plus a small floor."""
 
     enabled: bool = True
@@ -127,7 +127,7 @@ class RetryBudget(_Strict):
         return value.lower()
 
 
-def problems(ratelimit: RateLimit, retry_budget: RetryBudget, policy: Policy) -> list[str]:
+def problems(ratelimit: RateLimit, retry_budget: RetryBudgetPolicy, policy: Policy) -> list[str]:
     """Rules that need the whole policy, as "key.path: message" lines (empty when all hold)."""
     out: list[str] = []
     if ratelimit.usage_descriptor == ratelimit.request_descriptor:

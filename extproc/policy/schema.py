@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 from pydantic import Field, PlainValidator, field_validator, model_validator
 
 from extproc.policy.fields import Duration, HeaderName, Strict
-from extproc.policy.ratelimit import RateLimit, RetryBudget
+from extproc.policy.ratelimit import RateLimit, RetryBudgetPolicy
 from extproc.policy.ratelimit import problems as ratelimit_problems
 from extproc.policy.signals import Signals
 from extproc.policy.signals import problems as signal_problems
@@ -93,7 +93,7 @@ class Rule(_Strict):
     lane: str
 
 
-class Classification(_Strict):
+class ClassificationPolicy(_Strict):
     default_lane: str
     lane_header: HeaderName | None = None
     """A trusted header whose value names the lane directly (checked before the rules)."""
@@ -271,7 +271,7 @@ class Policy(_Strict):
     shadow: bool = False
     """Every lane observes only (see Lane.shadow): the safe way to roll out a new policy."""
     lanes: Annotated[tuple[Lane, ...], Field(min_length=1)]
-    classification: Classification
+    classification: ClassificationPolicy
     trusted_headers: tuple[HeaderName, ...] = ()
     """Request headers the policy may act on. Anything else a client sends cannot pick a lane."""
     tenants: Tenants = Field(default_factory=Tenants)
@@ -283,7 +283,7 @@ class Policy(_Strict):
     """Cluster signals (Prometheus queries, model-server scrapes) and the saturation rules on them."""
     ratelimit: RateLimit = Field(default_factory=RateLimit)
     """The rate limit service Envoy's ratelimit filter asks before ext_proc: the coarse edge shed."""
-    retry_budget: RetryBudget = Field(default_factory=RetryBudget)
+    retry_budget: RetryBudgetPolicy = Field(default_factory=RetryBudgetPolicy)
 
     @field_validator("trusted_headers")
     @classmethod

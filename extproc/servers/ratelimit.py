@@ -43,11 +43,11 @@ from envoy.service.ratelimit.v3 import rls_pb2_grpc as pb_grpc
 
 from extproc.controller import Controller
 from extproc.core.backlog import Backlog
-from extproc.core.budget import Budget, Verdict, part, verdict
+from extproc.core.budget import BucketVerdict, Budget, part, verdict
 from extproc.core.edge import (
     ANY_LANE,
     UNLIMITED,
-    Ask,
+    BudgetAsk,
     Check,
     Edge,
     Judgement,
@@ -221,7 +221,7 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
             task.add_done_callback(self._flushing.discard)
         return response
 
-    async def _settle(self, asks: list[Ask], now: float) -> list[Verdict]:
+    async def _settle(self, asks: list[BudgetAsk], now: float) -> list[BucketVerdict]:
         """``asks`` against the fleet's buckets; alone (see the module docstring) if unreachable."""
         store = self.store
         assert store is not None
@@ -249,7 +249,7 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
         return [verdict(level.allowed, level.level, 1.0 if ask.op == "charge" else ask.amount, ask.rate)
                 for ask, level in zip(asks, levels, strict=True)]
 
-    def _settle_alone(self, store: BudgetStore, asks: list[Ask], now: float) -> list[Verdict]:
+    def _settle_alone(self, store: BudgetStore, asks: list[BudgetAsk], now: float) -> list[BucketVerdict]:
         if not self.alone:
             self.alone = True
             self.log.warning("tenant budgets decided without the shared store", parts=store.parts,
@@ -257,8 +257,8 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
         self.metrics.budget_alone.inc(len(asks))
         if not store.fail_open:
             # Nothing is known of what the fleet spent: refuse, and say when to look again.
-            return [Verdict(ask.op == "charge", 0.0, 1.0, 0.0) for ask in asks]
-        parts = [Ask(ask.kind, ask.tenant, part(ask.rate, store.parts), ask.amount, ask.op, ask.limit,
+            return [BucketVerdict(ask.op == "charge", 0.0, 1.0, 0.0) for ask in asks]
+        parts = [BudgetAsk(ask.kind, ask.tenant, part(ask.rate, store.parts), ask.amount, ask.op, ask.limit,
                      ask.tenant_limit) for ask in asks]
         return self.edge.settle(parts, now)
 
@@ -311,7 +311,7 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
             finally:
                 sending.in_flight = 0
 
-    def _keep(self, asks: list[Ask]) -> None:
+    def _keep(self, asks: list[BudgetAsk]) -> None:
         self.backlog.max_tenants = self.config().budgets.max_tenants
         dropped = self.backlog.keep(asks)
         if dropped:
@@ -450,7 +450,7 @@ class _Sending:
     __slots__ = ("in_flight", "pending")
 
     def __init__(self) -> None:
-        self.pending: list[tuple[Ask, bool]] = []
+        self.pending: list[tuple[BudgetAsk, bool]] = []
         self.in_flight = 0
 
 

@@ -302,7 +302,7 @@ class BadRequest(Exception):
 
 
 @dataclass(frozen=True, slots=True)
-class Ask:
+class CompletionAsk:
     """What the engine needs to know about a completion request."""
 
     model: str | None
@@ -345,7 +345,7 @@ def _prompt_tokens(prompt: object) -> int:
                      "prompt")
 
 
-def parse_ask(body: bytes, chat: bool) -> Ask:
+def parse_ask(body: bytes, chat: bool) -> CompletionAsk:
     """Read the few fields that matter from an untrusted request body."""
     try:
         return _parse_ask(body, chat)
@@ -354,7 +354,7 @@ def parse_ask(body: bytes, chat: bool) -> Ask:
         raise BadRequest("the request body is nested too deeply") from None
 
 
-def _parse_ask(body: bytes, chat: bool) -> Ask:
+def _parse_ask(body: bytes, chat: bool) -> CompletionAsk:
     try:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError):
@@ -378,7 +378,7 @@ def _parse_ask(body: bytes, chat: bool) -> Ask:
     if not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object", "stream_options")
     model = data.get("model")
-    return Ask(model if isinstance(model, str) else None, prompt, max_tokens, bool(stream),
+    return CompletionAsk(model if isinstance(model, str) else None, prompt, max_tokens, bool(stream),
                bool(options.get("include_usage")))
 
 
@@ -401,7 +401,7 @@ class Backend:
     stream_interval: float
     created: int
 
-    def output_tokens(self, ask: Ask) -> tuple[int, str]:
+    def output_tokens(self, ask: CompletionAsk) -> tuple[int, str]:
         if ask.max_tokens is not None:
             return ask.max_tokens, "length"
         sampled = round(self.rng.lognormvariate(math.log(OUTPUT_MEDIAN_TOKENS), OUTPUT_SIGMA))
@@ -415,7 +415,7 @@ BACKEND = web.AppKey("backend", Backend)
 class _Reply:
     """Renders one request's response bodies in the OpenAI wire format."""
 
-    def __init__(self, chat: bool, model: str, ask: Ask, handle: Handle, created: int) -> None:
+    def __init__(self, chat: bool, model: str, ask: CompletionAsk, handle: Handle, created: int) -> None:
         self.chat = chat
         self.model = model
         self.ask = ask

@@ -41,7 +41,7 @@ QUEUE_TTL = 3.0
 RANK_TOLERANCE = 0.01
 
 
-class Verdict(Enum):
+class SlotVerdict(Enum):
     """What ``acquire`` answers. Only ``GRANTED`` is true, so ``if await ledger.acquire(...)`` reads well."""
 
     GRANTED = "granted"
@@ -59,7 +59,7 @@ class Verdict(Enum):
     """The shared store is unreachable and the ledger fails closed."""
 
     def __bool__(self) -> bool:
-        return self is Verdict.GRANTED
+        return self is SlotVerdict.GRANTED
 
 
 class LedgerUnavailable(Exception):
@@ -211,7 +211,7 @@ class Limits:
                             for lane in self.lanes), self.capacity // replicas)
 
     def check(self, lane: str, inflight: Mapping[str, int], queued: Mapping[str, int]
-              ) -> tuple[Verdict, int]:
+              ) -> tuple[SlotVerdict, int]:
         """Whether one more request of ``lane`` may start, and how many could (0 unless granted).
 
         The rule of ``Scheduler._admissible``, over counts the caller supplies (the whole
@@ -223,14 +223,14 @@ class Limits:
         config = self.lane(lane)
         total = sum(inflight.get(other.name, 0) for other in self.lanes)
         if total >= self.capacity:
-            return Verdict.CAPACITY, 0
+            return SlotVerdict.CAPACITY, 0
         mine = inflight.get(lane, 0)
         if mine < config.max_inflight:
-            return Verdict.GRANTED, min(config.max_inflight - mine, self.capacity - total)
+            return SlotVerdict.GRANTED, min(config.max_inflight - mine, self.capacity - total)
         if not config.borrow:
-            return Verdict.LANE_FULL, 0
+            return SlotVerdict.LANE_FULL, 0
         if config.max_borrow is not None and mine >= config.max_inflight + config.max_borrow:
-            return Verdict.BORROW_LIMIT, 0
+            return SlotVerdict.BORROW_LIMIT, 0
         owed = 0
         for other in self.lanes:
             waiting = queued.get(other.name, 0)
@@ -238,10 +238,10 @@ class Limits:
                 owed += min(waiting, max(0, other.max_inflight - inflight.get(other.name, 0)))
         free = self.capacity - total - owed
         if free <= 0:
-            return Verdict.OWED, 0
+            return SlotVerdict.OWED, 0
         if config.max_borrow is not None:
             free = min(free, config.max_inflight + config.max_borrow - mine)
-        return Verdict.GRANTED, free
+        return SlotVerdict.GRANTED, free
 
 
 def outranked(rank: float | None, heads: Iterable[float], tolerance: float, free: int) -> bool:
@@ -370,7 +370,7 @@ class Ledger(Protocol):
         """Stop renewing; give back every lease still held and withdraw the queue summary."""
         ...
 
-    async def acquire(self, lane: str, lease: str, limits: Limits, rank: float | None = None) -> Verdict:
+    async def acquire(self, lane: str, lease: str, limits: Limits, rank: float | None = None) -> SlotVerdict:
         """Take one slot of ``lane`` for ``lease`` (atomically checked against ``limits``).
 
         Acquiring a lease already held renews it and grants again (it never counts twice).

@@ -12,7 +12,7 @@ touch Redis, so decisions never wait on it.
   the outage begins, from the last view of who held what (refreshed every sync, ~0.2 s): only
   grants in that last fraction of a second before the outage can slip past it. A replica that
   never saw Redis splits the limits evenly.
-* ``fail_closed``: refuse every new lease (``Verdict.UNAVAILABLE``); held leases stay held.
+* ``fail_closed``: refuse every new lease (``SlotVerdict.UNAVAILABLE``); held leases stay held.
 
 Releases are recorded locally and wake this replica's own waiters. A background probe retries
 Redis every ``retry_interval``; when it answers, the probe re-registers every lease this
@@ -47,8 +47,8 @@ from extproc.state import (
     LedgerUnavailable,
     Level,
     Limits,
+    SlotVerdict,
     StoreDown,
-    Verdict,
 )
 from extproc.state.redis import RedisLedger
 
@@ -207,7 +207,7 @@ class FallbackLedger:
             return limits.smallest_part(self.fleet_size)
         return limits.share(everyone.index(self.replica), len(everyone))
 
-    async def acquire(self, lane: str, lease: str, limits: Limits, rank: float | None = None) -> Verdict:
+    async def acquire(self, lane: str, lease: str, limits: Limits, rank: float | None = None) -> SlotVerdict:
         if not self.degraded:
             if self._settling_until and time.monotonic() < self._settling_until \
                     and not self.primary.holds(lane, lease):
@@ -219,9 +219,9 @@ class FallbackLedger:
                 return await self.primary.acquire(lane, lease, limits, rank)
         limits.lane(lane)
         if self.primary.holds(lane, lease):
-            return Verdict.GRANTED
+            return SlotVerdict.GRANTED
         if self.mode is FailMode.CLOSED:
-            return Verdict.UNAVAILABLE
+            return SlotVerdict.UNAVAILABLE
         queued, _, _ = self.primary.queue
         verdict, _ = self._share(limits).check(lane, self.primary.held, queued)
         if verdict:

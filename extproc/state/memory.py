@@ -30,7 +30,7 @@ from extproc.state import (
     FreedCallback,
     GlobalView,
     Limits,
-    Verdict,
+    SlotVerdict,
     outranked,
     summary_changes,
     wake,
@@ -192,7 +192,7 @@ class MemoryLedger:
         """Leases this replica holds, per lane."""
         return {lane: len(leases) for lane, leases in self._held.items() if leases}
 
-    async def acquire(self, lane: str, lease: str, limits: Limits, rank: float | None = None) -> Verdict:
+    async def acquire(self, lane: str, lease: str, limits: Limits, rank: float | None = None) -> SlotVerdict:
         limits.lane(lane)
         hub = self.hub
         now = hub.clock()
@@ -202,7 +202,7 @@ class MemoryLedger:
         store = hub.lane(lane)
         if member in store.expiry:
             store.put(member, now + self.ttl)
-            return Verdict.GRANTED
+            return SlotVerdict.GRANTED
         inflight = {other.name: len(hub.lanes[other.name].expiry) for other in limits.lanes
                     if other.name in hub.lanes}
         verdict, free = limits.check(lane, inflight, hub.queued())
@@ -210,7 +210,7 @@ class MemoryLedger:
             heads = [head for replica, summary in hub.summaries.items() if replica != self.replica
                      for head in (summary.heads.get(lane),) if head is not None]
             if outranked(rank, heads, self.rank_tolerance, free):
-                verdict = Verdict.OUTRANKED
+                verdict = SlotVerdict.OUTRANKED
         if verdict:
             store.put(member, now + self.ttl)
             self._held.setdefault(lane, set()).add(lease)

@@ -81,9 +81,9 @@ from extproc.state import (
     LedgerUnavailable,
     Level,
     Limits,
+    SlotVerdict,
     StoreDown,
     StoreScriptError,
-    Verdict,
     summary_changes,
     wake,
 )
@@ -614,14 +614,14 @@ class RedisLedger:
             self._known.update(index)
         return encoded
 
-    async def acquire(self, lane: str, lease: str, limits: Limits, rank: float | None = None) -> Verdict:
+    async def acquire(self, lane: str, lease: str, limits: Limits, rank: float | None = None) -> SlotVerdict:
         keys, settings, index = self._encode(limits)
         if lane not in index:
             raise KeyError(lane)
         args: list[str | bytes] = [self._member(lease), index[lane], "" if rank is None else repr(rank),
                                    settings]
         try:
-            verdict = Verdict(await self._run("acquire", keys, args))
+            verdict = SlotVerdict(await self._run("acquire", keys, args))
         except (LedgerUnavailable, asyncio.CancelledError):
             if not self.holds(lane, lease):
                 # The script may have run before the answer was lost: remove it when Redis is back.

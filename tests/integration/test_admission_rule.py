@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from extproc.core.admission import Scheduler
 from extproc.core.edge import SchedulerPressure
 from extproc.policy.schema import Policy
-from extproc.state import RANK_TOLERANCE, LaneLimits, Limits, Verdict, outranked
+from extproc.state import RANK_TOLERANCE, LaneLimits, Limits, SlotVerdict, outranked
 from extproc.state.memory import MemoryHub, MemoryLedger
 from extproc.state.redis import RedisLedger
 from tests.integration.test_state_redis import RedisServer
@@ -59,12 +59,12 @@ class State:
         return {lane.name: self.queued[0].get(lane.name, 0) + self.queued[1].get(lane.name, 0)
                 for lane in self.lanes}
 
-    def expected(self, lane: str) -> Verdict:
+    def expected(self, lane: str) -> SlotVerdict:
         verdict, free = self.limits.check(lane, self.held, self.queued_total())
         rank = self.ranks[lane]
         heads = [h[lane] for h in self.heads if lane in h]
         if verdict and outranked(rank, heads, RANK_TOLERANCE, free):
-            return Verdict.OUTRANKED
+            return SlotVerdict.OUTRANKED
         return verdict
 
 
@@ -122,12 +122,12 @@ async def _seed(holder: Any, others: list[Any], state: State) -> None:
                   _SEED_LANE * len(state.lanes))
     for lane, n in state.held.items():
         for k in range(n):
-            assert await holder.acquire(lane, f"seed-{lane}-{k}", seed) is Verdict.GRANTED
+            assert await holder.acquire(lane, f"seed-{lane}-{k}", seed) is SlotVerdict.GRANTED
     for ledger, queued, heads in zip(others, state.queued, state.heads, strict=True):
         await ledger.publish_queue(queued, heads)
 
 
-async def ledger_says(make: Any, state: State) -> dict[str, Verdict]:
+async def ledger_says(make: Any, state: State) -> dict[str, SlotVerdict]:
     """Each lane's verdict from a fresh replica sharing a store the others filled."""
     holder, queue_b, queue_c, me = [await make(replica) for replica in ("b", "c", "d", "me")]
     try:
@@ -144,7 +144,7 @@ async def ledger_says(make: Any, state: State) -> dict[str, Verdict]:
             await ledger.close()
 
 
-def memory_says(state: State) -> dict[str, Verdict]:
+def memory_says(state: State) -> dict[str, SlotVerdict]:
     hub = MemoryHub()
 
     async def make(replica: str) -> MemoryLedger:
@@ -155,7 +155,7 @@ def memory_says(state: State) -> dict[str, Verdict]:
     return asyncio.run(ledger_says(make, state))
 
 
-def redis_says(url: str, state: State) -> dict[str, Verdict]:
+def redis_says(url: str, state: State) -> dict[str, SlotVerdict]:
     prefix = f"rule-{uuid.uuid4().hex[:8]}"
 
     async def make(replica: str) -> RedisLedger:
@@ -212,12 +212,12 @@ def test_the_random_states_reached_every_verdict() -> None:
         pytest.skip("the property test did not run in this session")
     verdicts = {verdict for verdict, _ in SEEN}
     # Every verdict of the rule (unavailable is the store's own failure, not the rule's).
-    assert verdicts == {v.value for v in Verdict} - {"unavailable"}, sorted(verdicts)
+    assert verdicts == {v.value for v in SlotVerdict} - {"unavailable"}, sorted(verdicts)
     assert {ranked for _, ranked in SEEN} == {True, False}
 
 
 def test_the_verdicts_are_all_named() -> None:
     # The Lua script answers with these strings: a new verdict must be added to both.
-    assert {v.value for v in Verdict} == {"granted", "lane_full", "borrow_limit", "owed", "capacity",
+    assert {v.value for v in SlotVerdict} == {"granted", "lane_full", "borrow_limit", "owed", "capacity",
                                           "outranked", "unavailable"}
-    assert [v for v in Verdict if v] == [Verdict.GRANTED]
+    assert [v for v in SlotVerdict if v] == [SlotVerdict.GRANTED]

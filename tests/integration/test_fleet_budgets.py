@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from extproc.core.budget import Budget, Rate, _Bucket
+from extproc.core.budget import Budget, Refill, _Bucket
 from extproc.localstack import free_port
 from extproc.state import BucketOp, LedgerUnavailable, Level, StoreScriptError
 from extproc.state.fallback import FailMode, FallbackLedger
@@ -45,7 +45,7 @@ async def test_the_lua_buckets_do_the_pure_budgets_arithmetic(ledgers: list[Redi
     store = ledgers[0]
     for round_ in range(6):
         budget = Budget(100)
-        rates = {f"r{round_}-{i}": Rate(rng.choice([0.5, 2.0, 1 / 60, 30.0]),
+        rates = {f"r{round_}-{i}": Refill(rng.choice([0.5, 2.0, 1 / 60, 30.0]),
                                         rng.choice([1.0, 3.0, 10.0, 2.5])) for i in range(3)}
         now = 1_000.0 + rng.random()
         for _ in range(80):
@@ -68,7 +68,7 @@ async def test_the_lua_buckets_do_the_pure_budgets_arithmetic(ledgers: list[Redi
 
 async def test_replicas_share_one_bucket_per_tenant(ledgers: list[RedisLedger]) -> None:
     one, two = ledgers
-    rate = Rate(1 / 3600, 10.0)  # no refill to speak of within the test
+    rate = Refill(1 / 3600, 10.0)  # no refill to speak of within the test
     op = BucketOp("requests:acme", "take", rate.per_second, rate.burst, 1.0)
     taken = 0
     for i in range(30):
@@ -291,7 +291,7 @@ async def test_on_the_stores_own_clock_the_lua_buckets_do_the_pure_budgets_arith
         return float(seconds) + micros / 1_000_000
 
     rng = random.Random(11)
-    rate = Rate(20.0, 5.0)
+    rate = Refill(20.0, 5.0)
     budget = Budget(10)
     for _ in range(40):
         op = rng.choice(["check", "take", "take", "charge"])

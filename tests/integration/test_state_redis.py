@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from extproc.localstack import free_port
-from extproc.state import LaneLimits, LedgerUnavailable, Limits, Verdict
+from extproc.state import LaneLimits, LedgerUnavailable, Limits, SlotVerdict
 from extproc.state.fallback import FailMode, FallbackLedger
 from extproc.state.redis import RedisLedger, parse_url
 from tests.state_contract import LedgerContract, Woken, eventually
@@ -221,7 +221,7 @@ async def test_a_sigkilled_replica_loses_its_slots_within_the_ttl(shared_server:
             assert await child.stdout.readline() == b"ready\n"
         await live.start()
         woken = Woken(live)
-        assert await live.acquire("batch", "x", limits) is Verdict.CAPACITY
+        assert await live.acquire("batch", "x", limits) is SlotVerdict.CAPACITY
         await asyncio.sleep(1.5 * ttl)  # longer than the TTL: the child's heartbeat keeps its leases
         view = await live.view()
         assert (view.inflight["batch"], view.queued, view.replicas) == (2, {"batch": 3}, 2)
@@ -279,13 +279,13 @@ async def test_while_redis_is_down_each_replica_keeps_to_its_share_then_counts_r
         server.kill()
         # No exception escapes; each replica takes at most half of every limit, counting what it holds.
         assert await a.acquire("batch", "a2", LIMITS)
-        assert await a.acquire("batch", "a3", LIMITS) is Verdict.LANE_FULL
+        assert await a.acquire("batch", "a3", LIMITS) is SlotVerdict.LANE_FULL
         assert a.degraded
         assert a.reason is not None
         assert "redis redis://127.0.0.1" in a.reason
         assert await a.acquire("interactive", "a4", LIMITS)
         assert await b.acquire("batch", "b2", LIMITS)
-        assert await b.acquire("batch", "b3", LIMITS) is Verdict.LANE_FULL
+        assert await b.acquire("batch", "b3", LIMITS) is SlotVerdict.LANE_FULL
         await a.release("batch", "a1")  # a release during the outage frees the local share at once
         assert await a.acquire("batch", "a3", LIMITS)
         await a.publish_queue({"batch": 2}, {"batch": 10.0})
@@ -301,7 +301,7 @@ async def test_while_redis_is_down_each_replica_keeps_to_its_share_then_counts_r
         assert not view.degraded
         assert view.inflight == {"batch": 4, "interactive": 1}  # a2, a3, a4, b1, b2: exactly what runs
         assert view.queued == {"batch": 2}
-        assert await b.acquire("batch", "b3", LIMITS) is Verdict.LANE_FULL  # exact global limit again
+        assert await b.acquire("batch", "b3", LIMITS) is SlotVerdict.LANE_FULL  # exact global limit again
 
         for lane, lease in [("batch", "a2"), ("batch", "a3"), ("interactive", "a4")]:
             await a.release(lane, lease)
@@ -359,7 +359,7 @@ async def test_an_acquire_whose_answer_was_lost_is_undone(server: RedisServer) -
     try:
         server.client().execute_command("CLIENT", "PAUSE", "800", "ALL")
         # The script may or may not run once the pause ends; either way it must not count.
-        assert await a.acquire("batch", "lost", LIMITS) is Verdict.UNAVAILABLE
+        assert await a.acquire("batch", "lost", LIMITS) is SlotVerdict.UNAVAILABLE
         await recovered(a)
         assert (await a.view()).inflight == {"batch": 0, "interactive": 0}
         assert await a.acquire("batch", "lost", LIMITS)
@@ -373,7 +373,7 @@ async def test_failing_closed_refuses_new_leases_but_keeps_held_ones(server: Red
     try:
         assert await a.acquire("batch", "held", LIMITS)
         server.kill()
-        assert await a.acquire("batch", "new", LIMITS) is Verdict.UNAVAILABLE
+        assert await a.acquire("batch", "new", LIMITS) is SlotVerdict.UNAVAILABLE
         assert await a.acquire("batch", "held", LIMITS)
         assert (await a.view()).inflight == {"batch": 1}
         await a.release("batch", "held")

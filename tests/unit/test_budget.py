@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.core.budget import Budget, Rate
+from extproc.core.budget import Budget, Refill
 
-TEN_PER_SECOND = Rate(per_second=10.0, burst=5.0)
+TEN_PER_SECOND = Refill(per_second=10.0, burst=5.0)
 
 
 def test_a_new_key_starts_full_and_takes_until_empty() -> None:
@@ -52,7 +52,7 @@ def test_keys_are_independent() -> None:
 
 
 def test_charge_goes_into_debt_and_check_refuses_until_it_is_repaid() -> None:
-    tokens = Rate(per_second=100.0, burst=1000.0)
+    tokens = Refill(per_second=100.0, burst=1000.0)
     budget = Budget(max_keys=10)
     assert budget.check("acme", tokens, 1, now=0.0).allowed
     charged = budget.charge("acme", tokens, 1500, now=0.0)
@@ -121,15 +121,15 @@ def test_a_clock_stepping_back_neither_drains_nor_fills() -> None:
 
 def test_a_smaller_burst_after_a_reload_caps_the_level() -> None:
     budget = Budget(max_keys=10)
-    budget.take("acme", Rate(1.0, 100.0), 1, now=0.0)
-    assert budget.check("acme", Rate(1.0, 3.0), 1, now=1.0).remaining == 3.0
+    budget.take("acme", Refill(1.0, 100.0), 1, now=0.0)
+    assert budget.check("acme", Refill(1.0, 3.0), 1, now=1.0).remaining == 3.0
 
 
 @pytest.mark.parametrize(("per_second", "burst"), [(0, 1), (-1, 1), (1, 0), (1, -1), (math.inf, 1),
                                                    (1, math.nan), (math.nan, 1)])
 def test_rate_refuses_nonsense(per_second: float, burst: float) -> None:
     with pytest.raises(ValueError, match="must be a positive number"):
-        Rate(per_second, burst)
+        Refill(per_second, burst)
 
 
 def test_max_keys_must_be_positive() -> None:
@@ -148,7 +148,7 @@ def test_max_keys_must_be_positive() -> None:
 def test_takes_never_exceed_burst_plus_refill(per_second: float, burst: float,
                                               steps: list[tuple[float, float]]) -> None:
     budget = Budget(max_keys=4)
-    rate = Rate(per_second, burst)
+    rate = Refill(per_second, burst)
     now = 0.0
     taken = 0.0
     for gap, amount in steps:
@@ -164,7 +164,7 @@ def test_takes_never_exceed_burst_plus_refill(per_second: float, burst: float,
 def test_random_mix_keeps_levels_within_bounds() -> None:
     rng = random.Random(7)
     budget = Budget(max_keys=8)
-    rate = Rate(5.0, 20.0)
+    rate = Refill(5.0, 20.0)
     now = 0.0
     for _ in range(2000):
         now += rng.uniform(0, 0.5)

@@ -8,8 +8,7 @@ import pytest
 
 from extproc.core.classify import Classifier, RequestFacts
 from extproc.policy import Policy
-from extproc.policy.schema import Classification as ClassificationConfig
-from extproc.policy.schema import Match, Rule, Tenants
+from extproc.policy.schema import ClassificationPolicy, Match, Rule, Tenants
 
 LANES = [
     {"name": "interactive", "priority": 100, "max_inflight": 4, "deadline": "10s"},
@@ -178,7 +177,7 @@ def test_classifier_never_reads_untrusted_headers_even_from_an_unvalidated_polic
     """The schema refuses these policies; the classifier must still be safe on its own."""
     policy = make_policy()
     unchecked = policy.model_copy(update={
-        "classification": ClassificationConfig.model_construct(
+        "classification": ClassificationPolicy.model_construct(
             default_lane="best-effort",
             lane_header="x-extproc-lane",
             rules=(Rule.model_construct(

@@ -20,7 +20,7 @@ from extproc.controller import Controller
 from extproc.core.admission import State, Ticket
 from extproc.core.decision import Outcome, Reason
 from extproc.metrics import Metrics
-from extproc.state import LaneLimits, Limits, Verdict
+from extproc.state import LaneLimits, Limits, SlotVerdict
 from extproc.state.memory import MemoryHub, MemoryLedger
 from tests.unit.test_admission import job, lane, make_policy
 
@@ -160,7 +160,7 @@ async def test_a_refusal_requeues_the_request_and_a_freed_slot_anywhere_brings_i
     hub = MemoryHub()
     other = await started(MemoryLedger(hub, renew=False, replica="other"))
     limits = Limits((LaneLimits("a", 1),), 1)
-    assert await other.acquire("a", "theirs", limits) is Verdict.GRANTED
+    assert await other.acquire("a", "theirs", limits) is SlotVerdict.GRANTED
     ledger = await started(MemoryLedger(hub, renew=False, replica="me"))
     c, registry = controller(lane("a", 1), ledger=ledger)
     c.start()
@@ -194,7 +194,7 @@ class SlowLedger(MemoryLedger):
         super().__init__(*args, **kwargs)
         self.gate = asyncio.Event()
 
-    async def acquire(self, lane: str, lease: str, limits: Limits, rank: float | None = None) -> Verdict:
+    async def acquire(self, lane: str, lease: str, limits: Limits, rank: float | None = None) -> SlotVerdict:
         verdict = await super().acquire(lane, lease, limits, rank)
         await self.gate.wait()
         return verdict

@@ -11,14 +11,14 @@ import pytest
 
 from extproc.core.admission import Scheduler
 from extproc.core.decision import Outcome, Reason
-from extproc.core.drain import FleetRate, Rate, ReturnSchedule
+from extproc.core.drain import CompletionRate, FleetRate, ReturnSchedule
 from extproc.core.edge import SchedulerPressure
 from extproc.core.gatekeeper import Gatekeeper
 from tests.unit.test_admission import job, lane, make_policy
 
 
 def test_a_rate_follows_the_events_and_decays_without_them() -> None:
-    rate = Rate(tau=10)
+    rate = CompletionRate(tau=10)
     assert rate.value(0) == 0
     assert not rate.known(0)
     for t in range(100):  # 2 events per second for 50 s

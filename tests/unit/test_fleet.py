@@ -15,7 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.controller import Controller
-from extproc.core.budget import Budget, Rate, part
+from extproc.core.budget import Budget, Refill, part
 from extproc.core.decision import Outcome
 from extproc.core.estimate import Job
 from extproc.core.queue import Entry, LaneQueue
@@ -68,7 +68,8 @@ class FakeStore:
         out, refused = [], False
         for op in ops:
             name = "check" if op.op == "take" and refused else op.op
-            verdict = self.budget.apply(name, op.key, Rate(op.per_second, op.burst), op.amount, self.clock())
+            refill = Refill(op.per_second, op.burst)
+            verdict = self.budget.apply(name, op.key, refill, op.amount, self.clock())
             refused = refused or not verdict.allowed
             out.append(Level(verdict.allowed, verdict.remaining))
         return out
@@ -176,9 +177,9 @@ async def test_store_away_failing_closed_refuses_budgeted_requests_only() -> Non
 
 
 def test_a_replicas_part_of_a_budget() -> None:
-    assert part(Rate(6.0, 12.0), 3) == Rate(2.0, 4.0)
-    assert part(Rate(1.0, 2.0), 4) == Rate(0.25, 1.0)  # a request must still fit
-    assert part(Rate(1.0, 2.0), 1) == Rate(1.0, 2.0)
+    assert part(Refill(6.0, 12.0), 3) == Refill(2.0, 4.0)
+    assert part(Refill(1.0, 2.0), 4) == Refill(0.25, 1.0)  # a request must still fit
+    assert part(Refill(1.0, 2.0), 1) == Refill(1.0, 2.0)
 
 
 def test_the_retry_budget_decides_on_the_fleets_counts() -> None:
@@ -364,7 +365,7 @@ async def test_usage_whose_answer_was_lost_is_not_replayed() -> None:
     await rig.service.decide_shared(_usage("t", 1))
     await _settled(rig.service)
     assert _charges(store) == [("tokens:t", 30.0), ("tokens:t", 1.0)]  # the 30 once, not again
-    assert store.budget.check("tokens:t", Rate(100 / 60, 100.0), 1, rig.clock()).remaining == 69.0
+    assert store.budget.check("tokens:t", Refill(100 / 60, 100.0), 1, rig.clock()).remaining == 69.0
 
 
 async def test_closing_waits_for_the_charges_on_their_way() -> None:

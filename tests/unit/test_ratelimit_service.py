@@ -23,8 +23,7 @@ from extproc.core.estimate import Job
 from extproc.core.retry import retry_after
 from extproc.metrics import Metrics, RateLimitMetrics
 from extproc.policy import Policy
-from extproc.policy.ratelimit import RateLimit, problems
-from extproc.policy.ratelimit import RetryBudget as RetryBudgetPolicy
+from extproc.policy.ratelimit import RateLimit, RetryBudgetPolicy, problems
 from extproc.servers.ratelimit import (
     ANY_LANE,
     ControllerPressure,

@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from extproc.core.retry_budget import SLOTS, RetryBudget, is_retry
-from extproc.policy.ratelimit import RetryBudget as RetryBudgetPolicy
+from extproc.policy.ratelimit import RetryBudgetPolicy
 
 
 @pytest.mark.parametrize(("headers", "expected"), [

@@ -17,7 +17,7 @@ from extproc.policy import Policy
 from extproc.state import (
     LaneLimits,
     Limits,
-    Verdict,
+    SlotVerdict,
     outranked,
     summary_changes,
 )
@@ -51,7 +51,7 @@ class TestMemoryLedger(LedgerContract):
 
 
 def test_only_a_grant_is_true() -> None:
-    assert [v for v in Verdict if v] == [Verdict.GRANTED]
+    assert [v for v in SlotVerdict if v] == [SlotVerdict.GRANTED]
 
 
 def test_limits_reject_repeated_lanes_and_negative_numbers() -> None:
@@ -91,26 +91,26 @@ def test_an_unknown_lane_is_a_key_error() -> None:
 
 
 @pytest.mark.parametrize(("lane", "inflight", "queued", "expected"), [
-    ("batch", {}, {}, (Verdict.GRANTED, 2)),
-    ("batch", {"batch": 1, "interactive": 3}, {}, (Verdict.GRANTED, 1)),
-    ("interactive", {"interactive": 2, "batch": 2}, {}, (Verdict.GRANTED, 1)),
-    ("interactive", {"interactive": 3}, {}, (Verdict.LANE_FULL, 0)),
-    ("batch", {"batch": 2}, {}, (Verdict.GRANTED, 3)),           # borrows 3 idle slots
-    ("batch", {"batch": 5}, {}, (Verdict.CAPACITY, 0)),
-    ("batch", {"batch": 2}, {"interactive": 2}, (Verdict.GRANTED, 1)),   # 2 of 3 idle slots owed
-    ("batch", {"batch": 2}, {"interactive": 3}, (Verdict.OWED, 0)),
-    ("batch", {"batch": 2, "interactive": 2}, {"interactive": 9}, (Verdict.OWED, 0)),  # 1 idle, owed
-    ("batch", {"batch": 2}, {"batch": 9}, (Verdict.GRANTED, 3)),  # its own queue is not owed
+    ("batch", {}, {}, (SlotVerdict.GRANTED, 2)),
+    ("batch", {"batch": 1, "interactive": 3}, {}, (SlotVerdict.GRANTED, 1)),
+    ("interactive", {"interactive": 2, "batch": 2}, {}, (SlotVerdict.GRANTED, 1)),
+    ("interactive", {"interactive": 3}, {}, (SlotVerdict.LANE_FULL, 0)),
+    ("batch", {"batch": 2}, {}, (SlotVerdict.GRANTED, 3)),           # borrows 3 idle slots
+    ("batch", {"batch": 5}, {}, (SlotVerdict.CAPACITY, 0)),
+    ("batch", {"batch": 2}, {"interactive": 2}, (SlotVerdict.GRANTED, 1)),   # 2 of 3 idle slots owed
+    ("batch", {"batch": 2}, {"interactive": 3}, (SlotVerdict.OWED, 0)),
+    ("batch", {"batch": 2, "interactive": 2}, {"interactive": 9}, (SlotVerdict.OWED, 0)),  # 1 idle, owed
+    ("batch", {"batch": 2}, {"batch": 9}, (SlotVerdict.GRANTED, 3)),  # its own queue is not owed
 ])
 def test_the_rule_over_counts(lane: str, inflight: dict[str, int], queued: dict[str, int],
-                              expected: tuple[Verdict, int]) -> None:
+                              expected: tuple[SlotVerdict, int]) -> None:
     assert BORROW.check(lane, inflight, queued) == expected
 
 
 def test_max_borrow_bounds_the_free_slots_of_a_borrower() -> None:
     limits = Limits((LaneLimits("interactive", 3), LaneLimits("batch", 2, True, 2)), 10)
-    assert limits.check("batch", {"batch": 2}, {}) == (Verdict.GRANTED, 2)
-    assert limits.check("batch", {"batch": 4}, {}) == (Verdict.BORROW_LIMIT, 0)
+    assert limits.check("batch", {"batch": 2}, {}) == (SlotVerdict.GRANTED, 2)
+    assert limits.check("batch", {"batch": 4}, {}) == (SlotVerdict.BORROW_LIMIT, 0)
 
 
 @given(st.lists(st.tuples(st.integers(0, 40), st.booleans(), st.one_of(st.none(), st.integers(0, 9))),
@@ -212,7 +212,7 @@ def test_a_borrower_is_refused_the_slots_a_paused_lanes_queue_is_owed_as_by_the_
     inflight = {lane: v.inflight for lane, v in views.items()}
     queued = {lane: v.queued for lane, v in views.items()}
     bulk = next(lane for lane in p.lanes if lane.name == "bulk")
-    assert Limits.of(p).check("bulk", inflight, queued) == (Verdict.OWED, 0)
+    assert Limits.of(p).check("bulk", inflight, queued) == (SlotVerdict.OWED, 0)
     assert not s._admissible(bulk)
 
 
@@ -240,7 +240,7 @@ async def test_a_lease_lasts_exactly_its_ttl_unless_renewed() -> None:
     await holder.acquire("batch", "1", TWO)
     await holder.acquire("batch", "2", TWO)
     clock.now += 9.999
-    assert await other.acquire("batch", "x", TWO) is Verdict.LANE_FULL
+    assert await other.acquire("batch", "x", TWO) is SlotVerdict.LANE_FULL
     clock.now += 0.001
     assert await other.acquire("batch", "x", TWO)
     await other.release("batch", "x")
