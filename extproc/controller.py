@@ -23,8 +23,8 @@ from typing import Any
 
 import structlog
 
-from extproc.core.admission import Decision, LaneView, State, Ticket
-from extproc.core.decision import Outcome, Reason
+from extproc.core.admission import LaneView
+from extproc.core.decision import Decision, Outcome, Reason, State, Ticket
 from extproc.core.drain import FleetRate
 from extproc.core.estimate import Job
 from extproc.core.gatekeeper import Gatekeeper

@@ -25,9 +25,8 @@ import random
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from enum import Enum
 
-from extproc.core.decision import Outcome, Reason
+from extproc.core.decision import Decision, Outcome, Reason, State, Ticket
 from extproc.core.drain import CompletionRate, ReturnSchedule, Told
 from extproc.core.estimate import Estimator, Job
 from extproc.core.queue import Entry, LaneQueue, rank_of
@@ -40,55 +39,6 @@ from extproc.policy.schema import Lane, Policy
 _SLOWEST_RATE = 1e-3
 #: Dead leases tolerated beyond twice the in-flight count before the lease heap is rebuilt.
 _LEASE_SLACK = 1024
-
-
-class State(Enum):
-    QUEUED = "queued"
-    INFLIGHT = "inflight"
-    DONE = "done"
-
-
-@dataclass(slots=True, eq=False)
-class Ticket:
-    """One request's place in the scheduler, from submission until its slot is released."""
-
-    id: int
-    lane: str
-    tenant: str
-    job: Job
-    arrival: float
-    deadline: float
-    predicted: float
-    state: State = State.QUEUED
-    admitted_at: float | None = None
-    occupancy: float = 0.0
-    entry: Entry | None = None
-    retry: bool = False
-    """Its client said it is a retry (admitted retries deposit nothing in the retry budget)."""
-    first: float | None = None
-    """A retry that claimed its booking on the return schedule: when its first attempt arrived
-    (it ranks from then, keeping that attempt's place)."""
-
-    @property
-    def queue_wait(self) -> float:
-        return (self.admitted_at - self.arrival) if self.admitted_at is not None else 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    outcome: Outcome
-    ticket: Ticket
-    reason: Reason | None = None
-    retry_after: int | None = None
-    saturation: Effect | None = None
-    """For a saturation rejection: the rule and signal behind it."""
-    shadow: Outcome | None = None
-    """In shadow mode: what enforcing would have done (queued or rejected, with ``reason``)."""
-    retry_after_ms: int | None = None
-    """For a rejection booked on its lane's return schedule: the exact wait (``retry-after-ms``)."""
-    retry_allowed: bool = True
-    """For a rejection whose retry could help: False when the return schedule is full or the retry
-    budget has no room (the answer then says ``x-should-retry: false``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,5 @@
-"""The small vocabulary every part shares: outcomes and reasons, and how a rejection is told.
+"""The small vocabulary every part shares: a request's ticket, the decision on it (its outcome and
+reason), and how a rejection is told.
 
 Their string values are log fields and metric labels, so they are a public
 interface: add to them, never rename. Every rejection — ext_proc's, the edge's, the
@@ -10,7 +11,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from enum import StrEnum
+from enum import Enum, StrEnum
+
+from extproc.core.estimate import Job
+from extproc.core.queue import Entry
+from extproc.core.saturation import Effect
 
 
 class Outcome(StrEnum):
@@ -88,6 +93,55 @@ _NO_RETRY = frozenset({Reason.LANE_CLOSED, Reason.SATURATED, Reason.RETRY_BUDGET
 _STATUS = {Reason.DRAINING: 503, Reason.OVERLOADED: 503, Reason.UNAVAILABLE: 503, Reason.BAD_REQUEST: 400,
            Reason.BODY_TIMEOUT: 408}
 _TYPES = {429: "rate_limit_exceeded", 503: "service_unavailable"}
+
+
+class State(Enum):
+    QUEUED = "queued"
+    INFLIGHT = "inflight"
+    DONE = "done"
+
+
+@dataclass(slots=True, eq=False)
+class Ticket:
+    """One request's place in the scheduler, from submission until its slot is released."""
+
+    id: int
+    lane: str
+    tenant: str
+    job: Job
+    arrival: float
+    deadline: float
+    predicted: float
+    state: State = State.QUEUED
+    admitted_at: float | None = None
+    occupancy: float = 0.0
+    entry: Entry | None = None
+    retry: bool = False
+    """Its client said it is a retry (admitted retries deposit nothing in the retry budget)."""
+    first: float | None = None
+    """A retry that claimed its booking on the return schedule: when its first attempt arrived
+    (it ranks from then, keeping that attempt's place)."""
+
+    @property
+    def queue_wait(self) -> float:
+        return (self.admitted_at - self.arrival) if self.admitted_at is not None else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    outcome: Outcome
+    ticket: Ticket
+    reason: Reason | None = None
+    retry_after: int | None = None
+    saturation: Effect | None = None
+    """For a saturation rejection: the rule and signal behind it."""
+    shadow: Outcome | None = None
+    """In shadow mode: what enforcing would have done (queued or rejected, with ``reason``)."""
+    retry_after_ms: int | None = None
+    """For a rejection booked on its lane's return schedule: the exact wait (``retry-after-ms``)."""
+    retry_allowed: bool = True
+    """For a rejection whose retry could help: False when the return schedule is full or the retry
+    budget has no room (the answer then says ``x-should-retry: false``)."""
 
 
 def error_body(reason: Reason, lane: str | None, retry_after: int | None, signal: str | None = None,

@@ -25,9 +25,9 @@ import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from extproc.core.admission import Decision, Scheduler
+from extproc.core.admission import Scheduler
 from extproc.core.capacity import AutoLimit, Move, size
-from extproc.core.decision import Outcome, Reason
+from extproc.core.decision import Decision, Outcome, Reason
 from extproc.core.estimate import Job
 from extproc.core.retry_budget import RetryBudget
 from extproc.core.saturation import Change, Reading, Saturation

@@ -38,10 +38,9 @@ from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf.duration_pb2 import Duration
 
 from extproc.controller import Controller
-from extproc.core.admission import Decision, Ticket
 from extproc.core.body import BodyFacts
 from extproc.core.classify import Classification
-from extproc.core.decision import Outcome, Reason, Rejection, reject
+from extproc.core.decision import Decision, Outcome, Reason, Rejection, Ticket, reject
 from extproc.core.intake import EDGE_HEADER, JUDGED_HEADER, Head, Intake
 from extproc.core.overload import ARRIVAL_HEADER, SHED_STATUS, OverloadGuard
 from extproc.core.redaction import Redactor

@@ -40,9 +40,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from extproc.core.admission import Decision, Ticket
 from extproc.core.body import BodyFacts
-from extproc.core.decision import Outcome, Reason, reject
+from extproc.core.decision import Decision, Outcome, Reason, Ticket, reject
 from extproc.core.edge import Edge, SchedulerPressure
 from extproc.core.gatekeeper import Gatekeeper
 from extproc.core.intake import Intake

@@ -26,8 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from extproc.core.admission import Decision, Ticket
-from extproc.core.decision import Outcome
+from extproc.core.decision import Decision, Outcome, Ticket
 from extproc.core.edge import Edge, SchedulerPressure
 from extproc.core.gatekeeper import Gatekeeper
 from extproc.core.intake import Intake

@@ -30,11 +30,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from extproc.core.admission import Decision, Scheduler, State, Ticket
+from extproc.core.admission import Scheduler
 from extproc.core.body import BodyFacts
 from extproc.core.capacity import size
 from extproc.core.classify import Classifier, RequestFacts, normalize_path
-from extproc.core.decision import Outcome, Reason
+from extproc.core.decision import Decision, Outcome, Reason, State, Ticket
 from extproc.core.estimate import Estimator, Job
 from extproc.core.intake import Intake as CoreIntake
 from extproc.policy.loader import PolicyError, load_policy

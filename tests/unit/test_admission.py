@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from extproc.core.admission import Decision, Scheduler, State, Ticket
-from extproc.core.decision import Outcome, Reason
+from extproc.core.admission import Scheduler
+from extproc.core.decision import Decision, Outcome, Reason, State, Ticket
 from extproc.core.estimate import Job
 from extproc.policy import Policy
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.core.admission import State
-from extproc.core.decision import Outcome, Reason
+from extproc.core.decision import Outcome, Reason, State
 from extproc.core.saturation import Effect
 from tests.unit.test_admission import admitted, job, lane, make_policy, scheduler, submit
 

@@ -17,8 +17,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.controller import Controller
-from extproc.core.admission import State, Ticket
-from extproc.core.decision import Outcome, Reason
+from extproc.core.decision import Outcome, Reason, State, Ticket
 from extproc.metrics import Metrics
 from extproc.state import LaneLimits, Limits, SlotVerdict
 from extproc.state.memory import MemoryHub, MemoryLedger
