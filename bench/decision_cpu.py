@@ -45,7 +45,7 @@ async def measure(n: int) -> dict[str, float]:
     from extproc.metrics import Metrics, RateLimitMetrics
     from extproc.policy.loader import parse_policy
     from extproc.servers.extproc import ExternalProcessor
-    from extproc.servers.ratelimit import ControllerPressure, RateLimitService
+    from extproc.servers.ratelimit import RateLimitService
 
     sys.path.insert(0, str(BENCH.parent))
     from bench.overhead import BODY, POLICY
@@ -89,7 +89,7 @@ async def measure(n: int) -> dict[str, float]:
     controller.start()
     processor = ExternalProcessor(controller)
     edge_metrics = RateLimitMetrics(registry, metrics.saturation_rejections)
-    edge = RateLimitService(ControllerPressure(controller), edge_metrics, lambda: controller.policy.ratelimit)
+    edge = RateLimitService(controller.machine, edge_metrics, lambda: controller.policy.ratelimit)
     loop = asyncio.get_running_loop()
 
     async def stream(sent: list[Any]) -> AsyncIterator[Any]:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 
 from extproc.api.admin.v1 import admin_pb2 as pb
 from extproc.controller import Controller
-from extproc.core.admission import LaneView
+from extproc.core.machine import LaneView
 from extproc.core.saturation import RuleState
 from extproc.policy.watcher import PolicyFile, ReloadResult
 from extproc.signals.hub import SignalHub
@@ -56,13 +56,13 @@ class Admin:
 
     def lanes(self) -> list[str]:
         """The lanes an operator may name (for the error that answers an unknown one)."""
-        return sorted(self.controller.scheduler.snapshot(self.controller.now()))
+        return sorted(self.controller.machine.snapshot(self.controller.now()))
 
     # -- the state snapshot ------------------------------------------------------------
 
     def state(self) -> pb.State:
         controller = self.controller
-        scheduler = controller.scheduler
+        scheduler = controller.machine
         now = controller.now()
         views = scheduler.snapshot(now)
         recent = controller.recent.summary(now)
@@ -107,13 +107,13 @@ class Admin:
             window_s=controller.recent.window_s,
             lanes=lanes,
             signals=self._signals(now),
-            saturation=[self._rule(rule, now, wall) for rule in controller.saturation.rules(now)],
+            saturation=[self._rule(rule, now, wall) for rule in controller.machine.saturation.rules(now)],
             tenants=self._tenants(views),
         )
 
     def _auto(self, now: float, wall: float) -> pb.AutoCapacity | None:
         controller = self.controller
-        auto = controller.gate.auto
+        auto = controller.machine.auto
         if auto is None:
             return None
         state = auto.state()
@@ -128,7 +128,7 @@ class Admin:
         return out
 
     def _tenants(self, views: Mapping[str, LaneView]) -> list[pb.Tenant]:
-        tenants = self.controller.scheduler.policy.tenants
+        tenants = self.controller.machine.policy.tenants
         queued: dict[str, dict[str, int]] = {}
         for lane, view in views.items():
             for tenant, n in view.tenants.items():

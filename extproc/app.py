@@ -31,7 +31,7 @@ from extproc.servers import admin as admin_http
 from extproc.servers import admin_grpc, http
 from extproc.servers.extproc import ExternalProcessor
 from extproc.servers.ratelimit import SERVICE as RATELIMIT_SERVICE
-from extproc.servers.ratelimit import ControllerPressure, RateLimitService
+from extproc.servers.ratelimit import RateLimitService
 from extproc.servers.ratelimit import add_to_server as add_ratelimit_service
 from extproc.settings import Settings, allowed_hosts, is_loopback
 from extproc.signals.hub import SignalHub
@@ -84,11 +84,11 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
         await ledger.start()
     # Tenant budgets, the retry budget and fair shares: the fleet's, through the store (or each replica's).
     budgets = budget_store(ledger) if settings.store_share_fleet else None
-    controller = Controller(policy, metrics, rng=rng, ledger=ledger, budgets=budgets)
+    controller = Controller(policy, metrics, rng=rng, ledger=ledger, budgets=budgets, edge_rng=rng)
     processor = ExternalProcessor(controller, log_key=settings.log_key,
                                   overload_after=settings.overload_after_s)
     controller.on_reconfigure.append(lambda _: processor.reconfigure())
-    registry.register(SaturationCollector(controller.saturation, controller.now))
+    registry.register(SaturationCollector(controller.machine.saturation, controller.now))
     hub = SignalHub(policy.signals, registry, controller.now, controller.on_signals)
     controller.on_reconfigure.append(lambda new: hub.reconfigure(new.signals))
 
@@ -110,9 +110,8 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
     server = grpc.aio.server()
     ext_proc_grpc.add_ExternalProcessorServicer_to_server(processor, server)
     edge_metrics = RateLimitMetrics(registry, metrics.saturation_rejections)
-    ratelimit = RateLimitService(ControllerPressure(controller), edge_metrics,
-                                 lambda: controller.policy.ratelimit, rng=rng,
-                                 permit_retry=controller.permit_retry, log_key=settings.log_key,
+    ratelimit = RateLimitService(controller.machine, edge_metrics,
+                                 lambda: controller.policy.ratelimit, log_key=settings.log_key,
                                  store=budgets, store_timeout=settings.store_budget_timeout_s)
     add_ratelimit_service(ratelimit, server)
     # A proxy that leaves the edge to ext_proc (x-extproc-edge) gets the same answers, in process.
@@ -127,7 +126,7 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
         raise StartupError(f"cannot listen for gRPC on {settings.grpc}")
 
     def ready() -> tuple[bool, str]:
-        if controller.scheduler.draining:
+        if controller.machine.draining:
             return False, "draining"
         notes = []
         view = controller.view
@@ -192,14 +191,14 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
     try:
         await stop.wait()
     finally:
-        log.info("draining", inflight=controller.scheduler.total_inflight,
-                 queued=controller.scheduler.total_queued, grace_s=settings.shutdown_grace_s)
+        log.info("draining", inflight=controller.machine.total_inflight,
+                 queued=controller.machine.total_queued, grace_s=settings.shutdown_grace_s)
         for name in ("", EXT_PROC_SERVICE, RATELIMIT_SERVICE):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         controller.drain()
         finished = await controller.wait_idle(settings.shutdown_grace_s)
         if not finished:
-            log.warning("grace period over", inflight=controller.scheduler.total_inflight)
+            log.warning("grace period over", inflight=controller.machine.total_inflight)
         await server.stop(grace=1.0)
         await ratelimit.close()
         if admin_server is not None:

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from extproc.core.admission import LaneView
+from extproc.core.machine import LaneView
 from extproc.core.saturation import Saturation
 from extproc.state import GlobalView
 

@@ -71,7 +71,7 @@ def _remaining(ticket: Ticket, now: float) -> float:
 
 class Scheduler:
     def __init__(self, policy: Policy, rng: random.Random | None = None,
-                 estimator: Estimator | None = None) -> None:
+                 estimator: Estimator | None = None, permit: Callable[[float], bool] | None = None) -> None:
         self._ids = itertools.count(1)
         self._rng = rng or random.Random()
         self.estimator = estimator or Estimator(policy.estimation)
@@ -102,8 +102,8 @@ class Scheduler:
         self._replicas = 1
         self._schedule = ReturnSchedule(self._tenant_weight)
         #: Reserves a retry in the retry budget for a rejection that lets its client retry; False:
-        #: no room (the gatekeeper sets it; None: no budget).
-        self.permit: Callable[[float], bool] | None = None
+        #: no room (None: no budget).
+        self.permit = permit
         self.reconfigure(policy)
 
     # -- configuration ------------------------------------------------------------

@@ -179,3 +179,38 @@ def read_request_body(chunk: bytes, end_of_stream: bool, headers: Mapping[str, s
     encoding = headers.get("content-encoding", "").strip().lower() or None
     complete = end_of_stream and len(chunk) <= limit
     return read_body(chunk[:limit], complete, content_length, encoding=encoding, limit=limit)
+
+
+class SlowBodies:
+    """Requests waiting for their body, per client: a client that announces bodies and never sends
+    them must not hold streams (and memory) without bound."""
+
+    #: A body later than this counts as slow (a normal one arrives within milliseconds).
+    SLOW_S = 1.0
+
+    def __init__(self) -> None:
+        self._waiting: dict[str, dict[int, float]] = {}
+
+    def too_many(self, client: str | None, cap: int, now: float) -> bool:
+        if client is None or cap <= 0:
+            return False
+        waiting = self._waiting.get(client)
+        if waiting is None or len(waiting) < cap:
+            return False
+        return sum(1 for since in waiting.values() if now - since > self.SLOW_S) >= cap
+
+    def enter(self, client: str | None, key: int, now: float) -> None:
+        if client is not None:
+            self._waiting.setdefault(client, {})[key] = now
+
+    def leave(self, client: str | None, key: int) -> None:
+        if client is None:
+            return
+        waiting = self._waiting.get(client)
+        if waiting is not None:
+            waiting.pop(key, None)
+            if not waiting:
+                del self._waiting[client]
+
+    def __len__(self) -> int:
+        return sum(len(w) for w in self._waiting.values())

@@ -213,41 +213,6 @@ def _edge_shed(answer: rls_pb2.RateLimitResponse, limits: list[tuple[str, str]])
     ))
 
 
-class SlowBodies:
-    """Requests waiting for their body, per client: a client that announces bodies and never sends
-    them must not hold streams (and memory) without bound."""
-
-    #: A body later than this counts as slow (a normal one arrives within milliseconds).
-    SLOW_S = 1.0
-
-    def __init__(self) -> None:
-        self._waiting: dict[str, dict[int, float]] = {}
-
-    def too_many(self, client: str | None, cap: int, now: float) -> bool:
-        if client is None or cap <= 0:
-            return False
-        waiting = self._waiting.get(client)
-        if waiting is None or len(waiting) < cap:
-            return False
-        return sum(1 for since in waiting.values() if now - since > self.SLOW_S) >= cap
-
-    def enter(self, client: str | None, key: int, now: float) -> None:
-        if client is not None:
-            self._waiting.setdefault(client, {})[key] = now
-
-    def leave(self, client: str | None, key: int) -> None:
-        if client is None:
-            return
-        waiting = self._waiting.get(client)
-        if waiting is not None:
-            waiting.pop(key, None)
-            if not waiting:
-                del self._waiting[client]
-
-    def __len__(self) -> int:
-        return sum(len(w) for w in self._waiting.values())
-
-
 class Linger:
     """Whether a stream that ended cleanly waits a few turns of the event loop before its final status.
 
@@ -391,9 +356,10 @@ class _Request:
         assert head is not None
         client = self.client
         if head.read_body:
-            estimation = self.p.controller.policy.estimation
-            if self.p.slow.too_many(client, estimation.max_slow_bodies, self.p.controller.now()):
-                return self.refuse(Reason.SLOW_BODIES, None, retry_after=int(estimation.body_timeout) or 1)
+            machine = self.p.controller.machine
+            refused = machine.body_refusal(client, id(self), self.p.controller.now())
+            if refused is not None:
+                return self.refuse(refused, None, retry_after=int(machine.body_timeout_s) or 1)
             self.waiting_body = True
             if not self.remove:
                 return _READ_BODY
@@ -517,7 +483,7 @@ class _Request:
         controller = self.p.controller
         service_ms: int | None = None
         if self.waiting_body:
-            self.p.slow.leave(self.client, id(self))
+            controller.machine.body_came(self.client, id(self))
         status = self.status
         if ticket is not None:
             if ticket.admitted_at is not None and self.outcome is Outcome.ADMITTED:
@@ -570,7 +536,7 @@ class _Request:
                 fields["retry"] = True
             if ticket.first is not None:
                 fields["claimed"] = True  # a retry that came back on its booked return
-        auto = controller.gate.auto
+        auto = controller.machine.auto
         if auto is not None:
             # The self-sized fleet limit in force when the request ended (shadow: the one computed).
             fields["capacity_limit"] = auto.limit
@@ -596,8 +562,6 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         #: Refuses at once what reaches extproc too late to be worth deciding (0: off).
         self.overload = OverloadGuard(overload_after)
         self._overload_logged = 0.0
-        self.intake = Intake(controller.policy, controller.scheduler.estimator)
-        self.slow = SlowBodies()
         self.linger = Linger()
         # One key for the process's life: a value hashes alike before and after a reload.
         self._log_key = log_key or secrets.token_bytes(32)
@@ -609,8 +573,12 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         #: call of its own (app.py sets it; None: every arrival goes on to ext_proc's decision).
         self.edge: RateLimitService | None = None
 
+    @property
+    def intake(self) -> Intake:
+        """The one intake of the policy in force (the machine's)."""
+        return self.controller.machine.intake
+
     def reconfigure(self) -> None:
-        self.intake = Intake(self.controller.policy, self.controller.scheduler.estimator)
         self.redactor = Redactor(self.controller.policy, self._log_key)
 
     async def Process(
@@ -632,7 +600,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     got = await self._body(request, messages)
                     if got is None:
                         if request.waiting_body:  # the body did not come in time
-                            yield request.refuse(Reason.BODY_TIMEOUT, None)
+                            request.waiting_body = False
+                            yield request.refuse(controller.machine.body_timeout(request.client, id(request)),
+                                                 None)
                         break
                     message = got
                 elif pending is not None:
@@ -667,11 +637,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                         head = request.head
                         response = request.after_edge(
                             await self.edge.judge_inline(request.edge_entries(), head.method, head.path))
-                    if request.waiting_body:
-                        self.slow.enter(request.client, id(request), controller.now())
                 elif kind == "request_body":
                     if request.waiting_body:
-                        self.slow.leave(request.client, id(request))
+                        controller.machine.body_came(request.client, id(request))
                     response = request.on_body(message.request_body)
                 elif kind == "response_headers":
                     response = request.on_response_headers(message.response_headers)
@@ -767,13 +735,13 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         # Read in this task under a deadline: a task of its own for the read (ensure_future + wait)
         # cost a Task, a future and an extra pass of the event loop on every request with a body.
         try:
-            async with asyncio.timeout(self.controller.policy.estimation.body_timeout):
+            async with asyncio.timeout(self.controller.machine.body_timeout_s):
                 return await anext(messages)
         except TimeoutError:
             return None
         except StopAsyncIteration:
             # The client left before its body came: it no longer counts against its cap.
-            self.slow.leave(request.client, id(request))
+            self.controller.machine.body_came(request.client, id(request))
             request.waiting_body = False
             return None
 

@@ -4,7 +4,7 @@ How this works: Envoy's ratelimit filter runs before ext_proc and, as a request
 arrives, calls ``ShouldRateLimit`` with a descriptor built from what Envoy knows
 then: ``generic_key`` (the policy's ``request_descriptor``), ``method``, ``path``
 and the headers the policy may trust, each under its own name. Each arrival
-descriptor is judged by the core's :class:`~extproc.core.edge.Edge` (the one
+descriptor is judged by the decision machine (``core/machine.py``: the one
 intake, the scheduler's own admission rule, the tenant budgets); a usage
 descriptor (``usage_descriptor``, sent when a response ends, with the usage the proxy
 read from the body, or an estimate's inputs: ``core/usage.py``) is charged to the
@@ -17,7 +17,7 @@ OVER_LIMIT answer is rendered like every refusal (``core.decision.reject``). In
 shadow mode everything is decided and counted, but the answer is always a plain OK.
 
 With a fleet's shared store (``store``), tenant budgets are one per tenant for the whole fleet:
-each arrival's budget operations (``Edge.assess``) go to the store in one atomic script, and
+each arrival's budget operations (``Machine.assess``) go to the store in one atomic script, and
 its answer (the levels) becomes the verdicts (``core.budget.verdict``); usage charges are queued
 by the edge and sent in the background, off the request's path. While the store is unreachable
 the replica decides alone: failing open with its part of every budget (``1 / parts``: the
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import random
 import secrets
 import time
 from collections.abc import Callable, Mapping
@@ -41,21 +40,9 @@ from envoy.config.core.v3.base_pb2 import HeaderValue
 from envoy.service.ratelimit.v3 import rls_pb2 as pb
 from envoy.service.ratelimit.v3 import rls_pb2_grpc as pb_grpc
 
-from extproc.controller import Controller
 from extproc.core.backlog import Backlog
-from extproc.core.budget import BucketVerdict, Budget, part, verdict
-from extproc.core.edge import (
-    ANY_LANE,
-    UNLIMITED,
-    BudgetAsk,
-    Check,
-    Edge,
-    Judgement,
-    LanePressure,
-    Pressure,
-    SchedulerPressure,
-)
 from extproc.core.intake import JUDGED_HEADER
+from extproc.core.machine import UNLIMITED, BucketVerdict, BudgetAsk, Check, Judgement, Machine
 from extproc.core.redaction import Redactor
 from extproc.core.usage import USAGE, USAGE_ENTRIES, Charge, charged
 from extproc.metrics import RateLimitMetrics
@@ -67,20 +54,12 @@ _UINT32 = UNLIMITED
 #: The most budget operations in one store call when charging usage: a script runs alone on the
 #: store, and 200 bucket operations take a few milliseconds, well within its timeout (50 ms).
 REPLAY_CHUNK = 200
-__all__ = ["ANY_LANE", "SERVICE", "Check", "ControllerPressure", "LanePressure", "Pressure",
-           "RateLimitService", "add_to_server"]
+__all__ = ["SERVICE", "RateLimitService", "add_to_server"]
 
 log = structlog.get_logger("extproc.ratelimit")
 
 _Limit = pb.RateLimitResponse.RateLimit
 _UNITS = {"second": _Limit.SECOND, "minute": _Limit.MINUTE, "hour": _Limit.HOUR, "day": _Limit.DAY}
-
-
-class ControllerPressure(SchedulerPressure):
-    """The edge's view of a live Controller's scheduler."""
-
-    def __init__(self, controller: Controller) -> None:
-        super().__init__(controller.scheduler, controller.now)
 
 
 # -- the service --------------------------------------------------------------------------------
@@ -102,28 +81,23 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
     """``ShouldRateLimit`` for Envoy's ratelimit filter.
 
     ``config`` returns the current ``ratelimit`` policy (read on every call, so a
-    policy reload applies at once); ``pressure`` gives the lanes' load.
+    policy reload applies at once); ``machine`` decides (the live controller's).
     """
 
-    def __init__(self, pressure: Pressure, metrics: RateLimitMetrics, config: Callable[[], RateLimit], *,
-                 clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None,
-                 permit_retry: Callable[[], bool] | None = None, log_key: bytes | None = None,
+    def __init__(self, machine: Machine, metrics: RateLimitMetrics, config: Callable[[], RateLimit], *,
+                 clock: Callable[[], float] = time.monotonic, log_key: bytes | None = None,
                  wall: Callable[[], float] = time.time, store: BudgetStore | None = None,
                  store_timeout: float = 0.02) -> None:
-        self.pressure = pressure
-        #: Reserves a retry in ext_proc's retry budget for a shed that lets its client retry;
-        #: False (no room) makes the shed say x-should-retry: false.
-        self.permit_retry = permit_retry
+        self.machine = machine
         self.metrics = metrics
         self.config = config
         self.now = clock
         #: Epoch seconds: ext_proc records when it admitted a request in them (for an estimate).
         self.wall = wall
-        self.edge = Edge(pressure, rng, config().budgets.max_tenants)
         #: The fleet's shared budgets (None: this replica's own, in memory). While it is unreachable,
-        #: the edge's own budgets hold this replica's part.
+        #: the machine's own budgets hold this replica's part.
         self.store = store
-        self.edge.shared = store is not None
+        machine.budgets_shared = store is not None
         #: The longest an arrival waits for the store (seconds), well within Envoy's ratelimit timeout.
         self.store_timeout = store_timeout
         self.alone = False
@@ -138,15 +112,7 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
         self._log_key = log_key or secrets.token_bytes(32)
         self._warned: set[str] = set()
         self.log: structlog.typing.FilteringBoundLogger = log.bind()
-        metrics.watch(lambda: {"requests": len(self.edge.requests), "tokens": len(self.edge.tokens)})
-
-    @property
-    def requests(self) -> Budget:
-        return self.edge.requests
-
-    @property
-    def tokens(self) -> Budget:
-        return self.edge.tokens
+        metrics.watch(machine.budget_sizes)
 
     async def ShouldRateLimit(self, request: pb.RateLimitRequest,
                               context: grpc.aio.ServicerContext[Any, Any]) -> pb.RateLimitResponse:
@@ -209,13 +175,13 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
                 entries = _entries(descriptor)
                 if entries.get("generic_key") != config.request_descriptor:
                     continue
-                assessed.append((i, self.edge.assess(config, entries, _hits(request, descriptor, 1), now)))
+                assessed.append((i, self.machine.assess(config, entries, _hits(request, descriptor, 1), now)))
             asks = [ask for _, assessment in assessed for ask in assessment.asks]
             verdicts = iter(await self._settle(asks, now) if asks else [])
             for i, assessment in assessed:
-                judged[i] = self.edge.conclude(assessment, [next(verdicts) for _ in assessment.asks])
+                judged[i] = self.machine.conclude(assessment, [next(verdicts) for _ in assessment.asks])
         response = self.decide(request, judged)
-        if self.edge.charges or (self.backlog and not self.alone):
+        if self.machine.pending_charges or (self.backlog and not self.alone):
             task = asyncio.get_running_loop().create_task(self._flush())
             self._flushing.add(task)
             task.add_done_callback(self._flushing.discard)
@@ -246,8 +212,7 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
         if self.alone:
             self.alone = False
             self.log.info("tenant budgets shared again")
-        return [verdict(level.allowed, level.level, 1.0 if ask.op == "charge" else ask.amount, ask.rate)
-                for ask, level in zip(asks, levels, strict=True)]
+        return self.machine.budgets_answered(asks, [(level.allowed, level.level) for level in levels])
 
     def _settle_alone(self, store: BudgetStore, asks: list[BudgetAsk], now: float) -> list[BucketVerdict]:
         if not self.alone:
@@ -255,12 +220,7 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
             self.log.warning("tenant budgets decided without the shared store", parts=store.parts,
                              mode="fail_open" if store.fail_open else "fail_closed")
         self.metrics.budget_alone.inc(len(asks))
-        if not store.fail_open:
-            # Nothing is known of what the fleet spent: refuse, and say when to look again.
-            return [BucketVerdict(ask.op == "charge", 0.0, 1.0, 0.0) for ask in asks]
-        parts = [BudgetAsk(ask.kind, ask.tenant, part(ask.rate, store.parts), ask.amount, ask.op, ask.limit,
-                     ask.tenant_limit) for ask in asks]
-        return self.edge.settle(parts, now)
+        return self.machine.budgets_alone(asks, now, parts=store.parts, fail_open=store.fail_open)
 
     async def _flush(self, sending: _Sending | None = None) -> None:
         """Send the queued usage charges and the backlog, in chunks of at most ``REPLAY_CHUNK``
@@ -282,7 +242,7 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
         ``sending`` shows what is left to send and what is on its way (``close`` reads it)."""
         store = self.store
         assert store is not None
-        fresh, self.edge.charges = self.edge.charges, []
+        fresh = self.machine.take_charges()
         replay = self.backlog.take()
         sending = sending if sending is not None else _Sending()
         sending.pending = [(ask, False) for ask in replay] + [(ask, True) for ask in fresh]
@@ -325,7 +285,7 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
         pending = self._flushing | self._calls
         if pending:
             await asyncio.wait(pending, timeout=grace_s)
-        if self.store is not None and (self.edge.charges or self.backlog):
+        if self.store is not None and (self.machine.pending_charges or self.backlog):
             sending = _Sending()
             flush = asyncio.ensure_future(self._flush(sending))
             flush.add_done_callback(_retrieve)
@@ -361,7 +321,7 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
                 self._usage(config, entries, _hits(request, descriptor, 0), now)
             elif kind == config.request_descriptor:
                 judgement = judged[i] if judged is not None and i in judged \
-                    else self.edge.judge(config, entries, _hits(request, descriptor, 1), now)
+                    else self.machine.judge(config, entries, _hits(request, descriptor, 1), now)
                 self._count(judgement, entries)
                 if judgement.shadow:
                     if judgement.over:
@@ -402,10 +362,10 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
         else:
             self.metrics.usage_unknown.inc()
         if charge.tokens > 0:
-            self.edge.charge(config, entries, charge.tokens, now)
+            self.machine.charge(config, entries, charge.tokens, now)
 
     def _redaction(self) -> Redactor:
-        policy = self.pressure.policy
+        policy = self.machine.policy
         if self._redactor is None or self._redactor.policy is not policy:
             self._redactor = Redactor(policy, self._log_key)
         return self._redactor
@@ -422,7 +382,7 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
                           reason=reason.value if reason else None, shadow=judgement.shadow,
                           arrival=round(time.time(), 3), method=entries.get("method", ""),
                           path=entries.get("path", "").split("?", 1)[0],
-                          headers=redactor.headers(entries, self.pressure.policy.trusted_headers))
+                          headers=redactor.headers(entries, self.machine.policy.trusted_headers))
 
     def _ignore(self, kind: str, value: str) -> None:
         self.metrics.ignored.labels(kind).inc()
@@ -435,7 +395,7 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
 
     def _over_limit(self, response: pb.RateLimitResponse, shed: list[Judgement]) -> None:
         response.overall_code = pb.RateLimitResponse.OVER_LIMIT
-        answer = self.edge.shed(shed, self.permit_retry)
+        answer = self.machine.shed(shed, self.now())
         if answer.rule is not None and answer.lane is not None and self.metrics.saturation is not None:
             self.metrics.saturation.labels(answer.lane, answer.rule, answer.signal or "").inc()
         rejection = answer.rejection

@@ -7,7 +7,7 @@ the policy's cluster signals. Every decision is the live service's own: the one
 intake (``core.intake``) classifies and sizes each attempt from what the live
 service would see of it (its headers, the gateway's, its retry count, its body's
 sizes); the edge (``core.edge``) sheds it or not, with the same tenant budgets;
-the gatekeeper (``core.gatekeeper``: scheduler, retry budget, saturation rules)
+the machine (``core.machine``: scheduler, retry budget, saturation rules)
 admits, queues or rejects it; every refusal is rendered as live
 (``core.decision.reject``), and simulated clients read ``retry-after`` and
 ``x-should-retry`` from it like the OpenAI SDKs. Signals the engine model can
@@ -42,9 +42,7 @@ from typing import Any
 
 from extproc.core.body import BodyFacts
 from extproc.core.decision import Decision, Outcome, Reason, Ticket, reject
-from extproc.core.edge import Edge, SchedulerPressure
-from extproc.core.gatekeeper import Gatekeeper
-from extproc.core.intake import Intake
+from extproc.core.machine import Machine
 from extproc.core.saturation import Reading
 from extproc.core.usage import FILTER_HEADER, USAGE, admission_metadata, charged, plan
 from extproc.policy.schema import Policy
@@ -194,10 +192,8 @@ class Simulator:
         rng = random.Random(self.seed)
         engine = Engine(self.profile, self.time_scale, keep_latencies=True)
         clock = [0.0]
-        gate = Gatekeeper(policy, rng=random.Random(self.seed)) if policy is not None else None
-        intake = Intake(policy, gate.scheduler.estimator) if policy is not None and gate is not None else None
-        edge = Edge(SchedulerPressure(gate.scheduler, lambda: clock[0]), random.Random(self.seed + 1)) \
-            if gate is not None else None
+        machine = Machine(policy, random.Random(self.seed), edge_rng=random.Random(self.seed + 1)) \
+            if policy is not None else None
         signals = engine_signals(policy) if policy is not None else {}
         poll = min((s.interval for s in policy.signals.sources.values()), default=math.inf) \
             if policy is not None and policy.signals.read else math.inf
@@ -237,9 +233,9 @@ class Simulator:
                 st.in_engine = True
             except RequestRejected:
                 finish(st, 400, None, "too_long")
-                if gate is not None and st.ticket is not None:
+                if machine is not None and st.ticket is not None:
                     by_ticket.pop(st.ticket.id, None)
-                    settle(gate.scheduler.release(st.ticket, now, learn=False), now)
+                    settle(machine.release(st.ticket, now, learn=False), now)
 
         def refused(st: _State, status: int, headers: dict[str, str], reason: str, now: float) -> None:
             """A refusal as the client reads it: retry after a while, or give up."""
@@ -252,13 +248,13 @@ class Simulator:
                 seq += 1
 
         def settle(decisions: Iterable[Decision], now: float) -> None:
-            assert gate is not None
+            assert machine is not None
             for d in decisions:
                 st = by_ticket.get(d.ticket.id)
                 if st is None or st.result is not None:
                     continue
                 if d.outcome is Outcome.ADMITTED:
-                    gate.admitted(d)
+                    machine.admitted(d)
                     st.queue_wait = d.ticket.queue_wait
                     lane = served.setdefault(d.ticket.lane, {})
                     lane[d.ticket.tenant] = lane.get(d.ticket.tenant, 0.0) + d.ticket.predicted
@@ -272,9 +268,7 @@ class Simulator:
                     refused(st, rejection.status, dict(rejection.headers), reason.value, now)
 
         def arrive(st: _State, now: float) -> None:
-            assert gate is not None
-            assert intake is not None
-            assert edge is not None
+            assert machine is not None
             assert policy is not None
             r = st.request
             headers = {k.lower(): v for k, v in r.headers.items()}
@@ -285,18 +279,18 @@ class Simulator:
                 entries = {"generic_key": config.request_descriptor, "method": "POST", "path": r.path,
                            **{k: v for k, v in headers.items()
                               if k in policy.trusted_headers or k == policy.retry_budget.header}}
-                judgement = edge.judge(config, entries, 1, now)
+                judgement = machine.judge(config, entries, 1, now)
                 if judgement.over and not judgement.shadow:
-                    shed = edge.shed([judgement], lambda: gate.permit_retry(now))
+                    shed = machine.shed([judgement], now)
                     st.lane, st.tenant = judgement.lane, judgement.tenant
                     reason = judgement.reason.value if judgement.reason else ""
                     refused(st, shed.rejection.status, dict(shed.rejection.headers), reason, now)
                     return
-            head = intake.head("POST", r.path, headers)
-            arrival = intake.sized(head, model=r.model, prompt_tokens=r.prompt_tokens,
+            head = machine.intake.head("POST", r.path, headers)
+            arrival = machine.intake.sized(head, model=r.model, prompt_tokens=r.prompt_tokens,
                                    output_tokens=r.output_tokens)
             st.lane, st.tenant = arrival.lane, arrival.tenant
-            submitted = gate.submit(arrival.lane, arrival.tenant, arrival.job, now, retry=arrival.retry)
+            submitted = machine.submit(arrival.lane, arrival.tenant, arrival.job, now, retry=arrival.retry)
             by_ticket[submitted.decision.ticket.id] = st
             st.ticket = submitted.decision.ticket
             settle([submitted.decision, *submitted.evicted], now)
@@ -306,7 +300,7 @@ class Simulator:
             # backend reports it like vLLM, in the body, and in a stream that asked for it, as ext_proc
             # makes every stream ask); one cut short, the estimate from its admission (core/usage.py).
             assert policy is not None
-            assert edge is not None
+            assert machine is not None
             config = policy.ratelimit
             ticket = st.ticket
             if ticket is None or ticket.admitted_at is None:
@@ -328,12 +322,12 @@ class Simulator:
                                           ticket.predicted, ticket.admitted_at, strip=False)
             charge = charged(said, now)
             if charge.tokens > 0:
-                edge.charge(config, entries, charge.tokens, now)
+                machine.charge(config, entries, charge.tokens, now)
 
         while True:
             t_heap = min(heap[0][0] if heap else math.inf, math.inf if upcoming is None else upcoming.at)
             t_engine = engine.next_event_time()
-            t_sched = gate.scheduler.next_timer() if gate is not None else None
+            t_sched = machine.next_timer() if machine is not None else None
             now = min(t_heap, math.inf if t_engine is None else t_engine,
                       math.inf if t_sched is None else t_sched)
             if now == math.inf:
@@ -348,7 +342,7 @@ class Simulator:
                 # Signals are read on their sources' interval, while anything is still going on.
                 now = next_poll
                 next_poll += poll
-                assert gate is not None
+                assert machine is not None
                 values: dict[str, float | None] = {"kv": engine.kv_usage, "waiting": float(engine.waiting),
                                                    "running": float(engine.running)}
                 readings = {}
@@ -360,8 +354,8 @@ class Simulator:
                         value = engine.recent_itl_p95(now, windows[name])
                     if value is not None:  # no observation in the window: nothing read
                         readings[name] = Reading(value, now)
-                decisions = gate.on_signals(readings, now).decisions
-                timeline.append((now, gate.policy.total_capacity, engine.waiting, engine.running))
+                decisions = machine.on_signals(readings, now).decisions
+                timeline.append((now, machine.policy.total_capacity, engine.waiting, engine.running))
                 clock[0] = now
                 settle(decisions, now)
             clock[0] = now
@@ -387,19 +381,19 @@ class Simulator:
                     if st.in_engine:
                         engine.cancel(str(index), now)
                     finish(st, -1, None, "timeout")
-                    if gate is not None and st.ticket is not None:
+                    if machine is not None and st.ticket is not None:
                         by_ticket.pop(st.ticket.id, None)
                         usage(st, now, finished=False)
-                        settle(gate.scheduler.release(st.ticket, now, learn=False), now)
+                        settle(machine.release(st.ticket, now, learn=False), now)
                     continue
                 st.attempts += 1
-                if gate is None:
+                if machine is None:
                     to_engine(st, now)
                     continue
                 arrive(st, now)
-            if gate is not None and t_sched is not None and t_sched <= now:
+            if machine is not None and t_sched is not None and t_sched <= now:
                 events += 1
-                settle(gate.scheduler.expire(now), now)
+                settle(machine.expire(now), now)
             events_now = engine.advance(now)
             peak = max(peak, engine.running)
             for event in events_now:
@@ -409,17 +403,17 @@ class Simulator:
                     st.first_token = event.time
                 elif isinstance(event, Finished):
                     st.in_engine = False
-                    if gate is None:
+                    if machine is None:
                         # Without admission control the only queue is the engine's own.
                         st.queue_wait = event.queue_time
                     if st.first_token is None:
                         st.first_token = event.time - (event.e2e - event.ttft)
                     finish(st, 200, event.time)
-                    if gate is not None and st.ticket is not None:
+                    if machine is not None and st.ticket is not None:
                         by_ticket.pop(st.ticket.id, None)
                         clock[0] = event.time
                         usage(st, event.time, finished=True)
-                        settle(gate.scheduler.release(st.ticket, event.time), event.time)
+                        settle(machine.release(st.ticket, event.time), event.time)
         results.extend(Result(st.request.index, st.request.cls, st.request.tenant, st.request.at, -1, None,
                               None, st.attempts, st.request.output_tokens, "unfinished")
                        for st in states.values())

@@ -5,9 +5,9 @@ end of its ext_proc stream) and one per request the edge shed (``edge_shed``); e
 its arrival time, method, path, the trusted headers, and for ext_proc's its model, sizes,
 retry mark, response status, queue wait and service time. The replay sends every logged
 attempt, retries included, as one arrival at its logged time through the same core as the
-live service — the edge, the one intake, the gatekeeper — with no simulated client retries
-and no simulated backend: a request the replay admits holds its slot for the service time
-the log recorded (or, where live never admitted it, its predicted time), and teaches the
+live service — the decision machine: the edge, the one intake, the scheduler — with no
+simulated client retries and no simulated backend: a request the replay admits holds its slot
+for the service time the log recorded (or, where live never admitted it, its predicted time), and teaches the
 estimator as live did (only a 2xx response does). Requests whose clients went away while
 queued are left out: their time of leaving is not logged.
 
@@ -27,9 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from extproc.core.decision import Decision, Outcome, Ticket
-from extproc.core.edge import Edge, SchedulerPressure
-from extproc.core.gatekeeper import Gatekeeper
-from extproc.core.intake import Intake
+from extproc.core.machine import Machine
 from extproc.policy.schema import Policy
 
 _CONSOLE_MARKS = ("[info", "[warning", "[error", "[debug")
@@ -152,10 +150,8 @@ def replay(attempts: list[Attempt], policy: Policy, seed: int = 1) -> Verdicts:
     if not attempts:
         return out
     origin = attempts[0].at
-    clock = [0.0]
-    gate = Gatekeeper(policy, random.Random(seed))
-    intake = Intake(policy, gate.scheduler.estimator)
-    edge = Edge(SchedulerPressure(gate.scheduler, lambda: clock[0]), random.Random(seed + 1))
+    machine = Machine(policy, random.Random(seed), edge_rng=random.Random(seed + 1))
+    intake = machine.intake
     heap: list[tuple[float, int, int, int]] = [(a.at - origin, i, _ARRIVE, i) for i, a in enumerate(attempts)]
     heapq.heapify(heap)
     seq = len(attempts)
@@ -169,7 +165,7 @@ def replay(attempts: list[Attempt], policy: Policy, seed: int = 1) -> Verdicts:
                 continue
             index, ticket = known
             if d.outcome is Outcome.ADMITTED:
-                gate.admitted(d)
+                machine.admitted(d)
                 out.outcomes[index] = "held" if ticket.queue_wait * 1000 >= 1 else "admitted"
                 service = attempts[index].service_s
                 done = now + (service if service is not None else ticket.predicted)
@@ -188,7 +184,7 @@ def replay(attempts: list[Attempt], policy: Policy, seed: int = 1) -> Verdicts:
         if config.mode != "off":
             entries = {"generic_key": config.request_descriptor, "method": attempt.method,
                        "path": attempt.path, **headers}
-            judgement = edge.judge(config, entries, 1, now)
+            judgement = machine.judge(config, entries, 1, now)
             if judgement.over and not judgement.shadow:
                 out.lanes[index], out.tenants[index] = judgement.lane, judgement.tenant
                 out.outcomes[index] = f"rejected:{judgement.reason.value if judgement.reason else ''}"
@@ -197,19 +193,18 @@ def replay(attempts: list[Attempt], policy: Policy, seed: int = 1) -> Verdicts:
         arrival = intake.sized(head, model=attempt.model, prompt_tokens=attempt.prompt_tokens,
                                output_tokens=attempt.output_tokens)
         out.lanes[index], out.tenants[index] = arrival.lane, arrival.tenant
-        submitted = gate.submit(arrival.lane, arrival.tenant, arrival.job, now, retry=arrival.retry)
+        submitted = machine.submit(arrival.lane, arrival.tenant, arrival.job, now, retry=arrival.retry)
         tickets[submitted.decision.ticket.id] = (index, submitted.decision.ticket)
         settle([submitted.decision, *submitted.evicted], now)
 
-    while heap or gate.scheduler.next_timer() is not None:
+    while heap or machine.next_timer() is not None:
         t_heap = heap[0][0] if heap else math.inf
-        t_sched = gate.scheduler.next_timer()
+        t_sched = machine.next_timer()
         now = min(t_heap, math.inf if t_sched is None else t_sched)
         if now == math.inf:
             break
-        clock[0] = now
         if t_sched is not None and t_sched <= now:
-            settle(gate.scheduler.expire(now), now)
+            settle(machine.expire(now), now)
         while heap and heap[0][0] <= now:
             _, _, kind, key = heapq.heappop(heap)
             if kind == _ARRIVE:
@@ -220,5 +215,5 @@ def replay(attempts: list[Attempt], policy: Policy, seed: int = 1) -> Verdicts:
                 index, ticket = known
                 status = attempts[index].status
                 learn = status is not None and 200 <= status < 300
-                settle(gate.scheduler.release(ticket, now, learn=learn), now)
+                settle(machine.release(ticket, now, learn=learn), now)
     return out

@@ -30,13 +30,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from extproc.core.admission import Scheduler
 from extproc.core.body import BodyFacts
 from extproc.core.capacity import size
 from extproc.core.classify import Classifier, RequestFacts, normalize_path
 from extproc.core.decision import Decision, Outcome, Reason, State, Ticket
 from extproc.core.estimate import Estimator, Job
 from extproc.core.intake import Intake as CoreIntake
+from extproc.core.machine import Machine
 from extproc.policy.loader import PolicyError, load_policy
 from extproc.policy.schema import Lane, Match, Policy
 from extproc.settings import positive_int
@@ -488,7 +488,7 @@ def default_scenarios(policy: Policy, lane_name: str) -> list[tuple[str, dict[st
     return out
 
 
-def _why_not_admitted(scheduler: Scheduler, lane: Lane) -> str:
+def _why_not_admitted(scheduler: Machine, lane: Lane) -> str:
     if lane.closed:
         return "the lane is closed"
     cap = scheduler.policy.total_capacity
@@ -499,7 +499,7 @@ def _why_not_admitted(scheduler: Scheduler, lane: Lane) -> str:
     return f"its limit is {lane.max_inflight} and it may not borrow"
 
 
-def _fill(scheduler: Scheduler, loads: Mapping[str, LaneLoad], tenant: str, job: Job,
+def _fill(scheduler: Machine, loads: Mapping[str, LaneLoad], tenant: str, job: Job,
           now: float) -> tuple[list[Ticket], list[str]]:
     """Submit synthetic requests until ``loads`` is reached (or cannot be); say where it fell short."""
     tickets: list[Ticket] = []
@@ -507,7 +507,7 @@ def _fill(scheduler: Scheduler, loads: Mapping[str, LaneLoad], tenant: str, job:
     policy = scheduler.policy
     for name, load in loads.items():
         for i in range(load.inflight):
-            decision, _ = scheduler.submit(name, tenant, job, now)
+            decision = scheduler.submit(name, tenant, job, now).decision
             if decision.outcome is not Outcome.ADMITTED:
                 if decision.outcome is Outcome.QUEUED:
                     scheduler.release(decision.ticket, now, learn=False)
@@ -517,7 +517,8 @@ def _fill(scheduler: Scheduler, loads: Mapping[str, LaneLoad], tenant: str, job:
             tickets.append(decision.ticket)
     for name, load in loads.items():
         for i in range(load.queued):
-            decision, evicted = scheduler.submit(name, tenant, job, now)
+            submitted = scheduler.submit(name, tenant, job, now)
+            decision, evicted = submitted.decision, submitted.evicted
             for gone in evicted:
                 notes.append(f"{name}: filling its queue evicted a queued {gone.ticket.lane} request "
                              f"({gone.reason})")
@@ -534,7 +535,7 @@ def _fill(scheduler: Scheduler, loads: Mapping[str, LaneLoad], tenant: str, job:
     return tickets, notes
 
 
-def _play_forward(scheduler: Scheduler, tickets: list[Ticket], sample: Ticket, now: float
+def _play_forward(scheduler: Machine, tickets: list[Ticket], sample: Ticket, now: float
                   ) -> tuple[Outcome, Reason | None, float]:
     """Run the state on predicted service times, no new arrivals, until ``sample`` leaves the queue."""
     start = now
@@ -559,7 +560,7 @@ def _play_forward(scheduler: Scheduler, tickets: list[Ticket], sample: Ticket, n
     return Outcome.QUEUED, None, now - start
 
 
-def _snapshot(scheduler: Scheduler) -> dict[str, LaneLoad]:
+def _snapshot(scheduler: Machine) -> dict[str, LaneLoad]:
     return {name: LaneLoad(view.inflight, view.queued)
             for name, view in scheduler.snapshot(0.0).items() if view.inflight or view.queued}
 
@@ -567,12 +568,13 @@ def _snapshot(scheduler: Scheduler) -> dict[str, LaneLoad]:
 def run_scenario(policy: Policy, name: str, loads: Mapping[str, LaneLoad], lane: str, tenant: str,
                  job: Job, fill_job: Job | None = None, seed: int = 0) -> ScenarioResult:
     """Fill a real scheduler to ``loads``, submit the sample, and say what happens to it."""
-    scheduler = Scheduler(policy, rng=random.Random(seed))
+    scheduler = Machine(policy, rng=random.Random(seed))
     now = 0.0
     tickets, notes = _fill(scheduler, loads, tenant, fill_job or job, now)
     reached = _snapshot(scheduler)
     decision: Decision
-    decision, evicted = scheduler.submit(lane, tenant, job, now)
+    submitted = scheduler.submit(lane, tenant, job, now)
+    decision, evicted = submitted.decision, submitted.evicted
     sample = decision.ticket
     gone = tuple(f"a queued {d.ticket.lane} request ({d.reason})" for d in evicted)
     result = ScenarioResult(

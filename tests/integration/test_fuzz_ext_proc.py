@@ -33,7 +33,7 @@ from extproc.metrics import Metrics, RateLimitMetrics
 from extproc.policy import Policy
 from extproc.policy.ratelimit import RateLimit
 from extproc.servers.extproc import ExternalProcessor
-from extproc.servers.ratelimit import ControllerPressure, RateLimitService
+from extproc.servers.ratelimit import RateLimitService
 
 # Deadlines and the body timeout are short, and a plan's longest pause outlasts them (PAUSES): every
 # example reaches the timers' paths too, and sixty examples take seconds, not tens of them.
@@ -69,7 +69,7 @@ class Server:
         processor = ExternalProcessor(self.controller)
         # A budget that runs out at once: most judged arrivals are shed.
         edge_config = RateLimit.model_validate({"budgets": {"default": {"requests": 1, "per": "hour"}}})
-        processor.edge = RateLimitService(ControllerPressure(self.controller),
+        processor.edge = RateLimitService(self.controller.machine,
                                           RateLimitMetrics(self.edge_registry), lambda: edge_config)
         original = processor.Process
 
@@ -234,7 +234,7 @@ async def play(port: int, plan: Plan) -> None:
 
 async def until_idle(controller: Controller, within: float = 15.0) -> None:
     async with asyncio.timeout(within):
-        while controller.scheduler.total_inflight or controller.scheduler.total_queued:  # noqa: ASYNC110
+        while controller.machine.total_inflight or controller.machine.total_queued:  # noqa: ASYNC110
             await asyncio.sleep(0.02)
 
 
@@ -300,4 +300,4 @@ def test_the_edge_judged_in_the_stream_sheds_and_leaves_nothing(server: Server) 
     assert (sample("extproc_ratelimit_decisions_total", labels) or 0.0) == shed_before + 1
     assert server.errors == []
     assert server.controller is not None
-    assert (server.controller.scheduler.total_inflight, server.controller.scheduler.total_queued) == (0, 0)
+    assert (server.controller.machine.total_inflight, server.controller.machine.total_queued) == (0, 0)

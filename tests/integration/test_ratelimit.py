@@ -37,7 +37,7 @@ from extproc.metrics import Metrics, RateLimitMetrics
 from extproc.policy import Policy
 from extproc.policy.ratelimit import RateLimit
 from extproc.servers.extproc import ExternalProcessor
-from extproc.servers.ratelimit import ControllerPressure, RateLimitService, add_to_server
+from extproc.servers.ratelimit import RateLimitService, add_to_server
 from tests.integration.conftest import as_tenant
 
 pytestmark = pytest.mark.envoy
@@ -151,8 +151,7 @@ async def make_edge(tmp_path: Path, edge_mode: str) -> AsyncIterator[MakeEdge]:
             ext_proc_grpc.add_ExternalProcessorServicer_to_server(processor, server)
             live = Live(config or RateLimit())
             if rls:
-                service = RateLimitService(ControllerPressure(controller), RateLimitMetrics(registry),
-                                           live.read, rng=random.Random(3))
+                service = RateLimitService(controller.machine, RateLimitMetrics(registry), live.read)
                 add_to_server(service, server)
                 if mode != "call":
                     processor.edge = service
@@ -204,7 +203,7 @@ def budgets(**default: Any) -> RateLimit:
 async def test_full_lane_is_shed_at_the_edge_with_429_retry_after_and_ratelimit_headers(
         make_edge: MakeEdge) -> None:
     edge = await make_edge()
-    scheduler = edge.controller.scheduler
+    scheduler = edge.controller.machine
     async with httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
         idle = await client.post("/v1/chat/completions", json=CHAT)
         assert idle.status_code == 200

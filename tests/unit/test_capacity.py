@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.core.capacity import AutoLimit, size
-from extproc.core.gatekeeper import Gatekeeper
+from extproc.core.machine import Machine
 from extproc.core.saturation import Reading
 from extproc.policy import PolicyError, parse_policy
 from extproc.policy.schema import Policy
@@ -288,8 +288,8 @@ def test_size_makes_lanes_shares_of_the_limit() -> None:
     assert [lane.max_inflight for lane in tiny.lanes] == [1, 1]  # never below one slot
 
 
-def test_the_gatekeeper_enforces_the_limit_it_moves_to() -> None:
-    gate = Gatekeeper(policy(start=4, interval="1s"))
+def test_the_machine_enforces_the_limit_it_moves_to() -> None:
+    gate = Machine(policy(start=4, interval="1s"))
     assert gate.policy.total_capacity == 4
     admitted = [gate.submit("interactive", "t", job(), 0).decision for _ in range(10)]
     assert sum(d.outcome.value == "admitted" for d in admitted) == 3  # 75 % of 4
@@ -303,11 +303,11 @@ def test_the_gatekeeper_enforces_the_limit_it_moves_to() -> None:
     result = gate.on_signals(readings(3, waiting=30), 3)
     assert result.move is not None
     assert gate.policy.total_capacity == 4
-    assert gate.scheduler.total_inflight == 6
+    assert gate.total_inflight == 6
 
 
 def test_fleet_managed_moves_are_proposals_until_set_limit() -> None:
-    gate = Gatekeeper(policy(start=4))
+    gate = Machine(policy(start=4))
     gate.fleet_managed = True
     for _ in range(4):
         gate.submit("interactive", "t", job(), 0)
@@ -326,7 +326,7 @@ def test_shadow_computes_but_enforces_the_number() -> None:
     watched = base.capacity.auto.model_copy(update={"shadow": True})
     p = Policy.model_validate({**base.model_dump(), "capacity": {"max_inflight": 100, **{
         "auto": watched.model_dump()}}})
-    gate = Gatekeeper(p)
+    gate = Machine(p)
     for _ in range(4):
         gate.submit("interactive", "t", job(), 0)
     result = gate.on_signals(readings(2), 2)

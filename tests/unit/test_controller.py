@@ -248,11 +248,11 @@ async def test_a_replica_reads_the_fleet_s_drain_rate_from_the_store() -> None:
         a.release(decision.ticket)
         for _ in range(3):
             await asyncio.sleep(0)  # the give-back to the ledger
-        await b._sync_once(b_ledger)
-    rate = b.scheduler.drain_rate("a", clock[0])
+        await b.fleet.sync_once()
+    rate = b.machine._scheduler.drain_rate("a", clock[0])
     assert rate == pytest.approx(2.0, rel=0.15)
     assert sample(registry_b, "extproc_lane_drain_rate", lane="a") == pytest.approx(rate)
-    assert b.scheduler._completions == {}  # nothing completed on B itself
+    assert b.machine._scheduler._completions == {}  # nothing completed on B itself
     await a.stop()
     await b.stop()
     await a_ledger.close()

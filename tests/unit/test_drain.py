@@ -13,7 +13,7 @@ from extproc.core.admission import Scheduler
 from extproc.core.decision import Outcome, Reason
 from extproc.core.drain import CompletionRate, FleetRate, ReturnSchedule
 from extproc.core.edge import SchedulerPressure
-from extproc.core.gatekeeper import Gatekeeper
+from extproc.core.machine import Machine
 from tests.unit.test_admission import job, lane, make_policy
 
 
@@ -423,8 +423,8 @@ def test_a_booked_return_is_not_refused_by_the_retry_budget_after_its_reservatio
     policy = make_policy([lane("a", 2, max_queued=50)], retry_after={"max": 30, "share": 1, "jitter": 0},
                          retry_budget={"ratio": 0, "min_per_second": 0.2, "window": "10s"},
                          tenants={"header": "x-tenant"}, trusted_headers=["x-tenant"])
-    gate = Gatekeeper(policy, random.Random(0))
-    _, now = drained_scheduler(rate_per_s=4.0, scheduler=gate.scheduler)
+    gate = Machine(policy, random.Random(0))
+    _, now = drained_scheduler(rate_per_s=4.0, scheduler=gate._scheduler)
     while (told := gate.submit("a", "t", job(), now).decision).outcome is Outcome.QUEUED:
         pass
     assert told.retry_after_ms is not None  # full: a retry reserved, a return booked

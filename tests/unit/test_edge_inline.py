@@ -17,7 +17,7 @@ from extproc.metrics import Metrics, RateLimitMetrics
 from extproc.policy import Policy
 from extproc.policy.ratelimit import RateLimit
 from extproc.servers.extproc import _READ_BODY, ExternalProcessor, _edge_shed, _ratelimit_headers
-from extproc.servers.ratelimit import ControllerPressure, RateLimitService
+from extproc.servers.ratelimit import RateLimitService
 
 Limit = rls.RateLimitResponse.RateLimit
 BODY = b'{"model": "m", "max_tokens": 10, "stream": true, "messages": [{"role": "user", "content": "hi"}]}'
@@ -72,7 +72,7 @@ class Stack:
         self.controller = Controller(policy, Metrics(self.registry))
         self.processor = ExternalProcessor(self.controller)
         self.config = edge
-        self.edge = RateLimitService(ControllerPressure(self.controller), RateLimitMetrics(self.registry),
+        self.edge = RateLimitService(self.controller.machine, RateLimitMetrics(self.registry),
                                      lambda: self.config)
         self.processor.edge = self.edge
 
@@ -184,7 +184,7 @@ async def test_the_proxys_word_has_ext_proc_judge_the_edge_and_answer_as_the_fil
                         shadow="false") == 2
     assert stack.sample("extproc_ratelimit_decisions_total", lane="interactive", code="over_limit",
                         reason="tenant_request_budget", shadow="false") == 1
-    assert stack.controller.scheduler.total_inflight == 0
+    assert stack.controller.machine.total_inflight == 0
 
 
 async def test_shadow_verdict_joins_the_admission_record() -> None:
@@ -250,7 +250,7 @@ async def test_ext_procs_own_refusals_carry_the_edges_limits() -> None:
         async with asyncio.timeout(10):  # (a regression fails here rather than hanging)
             holder = asyncio.create_task(stack.stream(hold=release, holding=holding))
             await holding.wait()  # admitted, its slot taken
-            assert stack.controller.scheduler.total_inflight == 1
+            assert stack.controller.machine.total_inflight == 1
             expired = await stack.stream()  # past the edge (the queue has room), then its deadline passes
             release.set()
             held = await holder
@@ -276,4 +276,4 @@ async def test_ext_procs_own_refusals_carry_the_edges_limits() -> None:
     assert late_sent["x-ratelimit-limit"] == '4, 4;w=3600;name="tenant_requests"'
     assert late_sent["x-ratelimit-remaining"] == "1"
     assert 2690 <= int(late_sent["x-ratelimit-reset"]) <= 2700  # 3 of 4 to refill at 900 s each
-    assert stack.controller.scheduler.total_inflight == 0
+    assert stack.controller.machine.total_inflight == 0

@@ -102,8 +102,8 @@ def shared(rig: Rig, **store: Any) -> FakeStore:
     fake = FakeStore(rig.clock, **store)
     # The fake answers in-process at once; a busy machine (a parallel test run) must not turn that into
     # the 20 ms timeout. The tests of the timeout set their own.
-    rig.service = RateLimitService(rig.pressure, rig.metrics, lambda: rig.config, clock=rig.clock,
-                                   rng=random.Random(1), store=fake, store_timeout=30.0)
+    rig.service = RateLimitService(rig.machine(), rig.metrics, lambda: rig.config, clock=rig.clock,
+                                   store=fake, store_timeout=30.0)
     return fake
 
 
@@ -135,7 +135,8 @@ async def test_over_a_store_the_service_answers_as_it_does_alone() -> None:
         theirs = await fleet.service.decide_shared(arrival)
         assert theirs == mine
     assert store.calls
-    assert len(fleet.service.edge.requests) == 0  # the store kept the buckets, not the replica
+    # The store kept the buckets, not the replica.
+    assert fleet.service.machine.budget_sizes()["requests"] == 0
 
 
 async def test_usage_is_charged_to_the_store_off_the_requests_path() -> None:
@@ -241,14 +242,14 @@ async def test_the_controller_syncs_the_retry_budget_with_the_fleet_and_goes_alo
     store = FakeStore(clock, fleet_size=3)
     policy = make_policy(retry_budget={"ratio": 0.0, "min_per_second": 3.0, "window": "10s"})
     controller = Controller(policy, Metrics(CollectorRegistry()), clock=clock, budgets=store)
-    budget = controller.retry_budget
+    budget = controller.machine._retry_budget
     assert budget.try_withdraw(clock.now)
     store.retry = (0, 20)  # the other replicas let 20 retries through
-    await controller._sync_retry_budget()
+    await controller.fleet.sync_retry_budget()
     assert store.sent == [(0, 1)]  # this replica's own withdrawal, told once
     assert budget.balance(clock.now) == 30 - 20 - 1
     store.down = True
-    await controller._sync_retry_budget()
+    await controller.fleet.sync_retry_budget()
     assert budget.balance(clock.now) == 10 - 1  # its third of the floor, on its own counts
 
 
@@ -268,8 +269,8 @@ async def test_in_an_outage_budgets_split_by_the_replicas_the_slot_ledger_counts
     assert ledger.parts == 4
     assert _outage(["r0", "r1"], fleet_size=3).parts == 3  # never fewer than the fleet size
     rig = Rig(budgets(requests=8, per="minute"))
-    rig.service = RateLimitService(rig.pressure, rig.metrics, lambda: rig.config, clock=rig.clock,
-                                   rng=random.Random(1), store=ledger)
+    rig.service = RateLimitService(rig.machine(), rig.metrics, lambda: rig.config, clock=rig.clock,
+                                   store=ledger)
     arrival = request({"generic_key": "gpu_inference", "x-tenant-id": "t"})
     codes = [(await rig.service.decide_shared(arrival)).overall_code for _ in range(3)]
     assert codes == [OK, OK, OVER]  # 8 a minute / 4 replicas, not the whole budget
@@ -280,8 +281,8 @@ async def test_in_an_outage_the_retry_floor_splits_by_the_replicas_the_slot_ledg
     policy = make_policy(retry_budget={"ratio": 0.0, "min_per_second": 4.0, "window": "10s"})
     controller = Controller(policy, Metrics(CollectorRegistry()), clock=clock,
                             budgets=_outage(["r0", "r1", "r2", "r3"]))
-    await controller._sync_retry_budget()
-    assert controller.retry_budget.balance(clock.now) == 10  # a quarter of the fleet's 40
+    await controller.fleet.sync_retry_budget()
+    assert controller.machine._retry_budget.balance(clock.now) == 10  # a quarter of the fleet's 40
 
 
 async def test_a_slow_store_is_waited_for_only_briefly_then_the_replica_decides_alone() -> None:
@@ -328,7 +329,8 @@ async def test_usage_charged_while_the_store_is_away_is_accounted_once(fail_open
         await rig.service.decide_shared(_usage("t", tokens))
         await _settled(rig.service)
     assert len(rig.service.backlog) == (0 if fail_open else 1)  # closed: merged per tenant
-    assert len(rig.service.edge.tokens) == (1 if fail_open else 0)  # open: its part is charged meanwhile
+    # Open: its part is charged meanwhile.
+    assert rig.service.machine.budget_sizes()["tokens"] == (1 if fail_open else 0)
     store.down = False
     arrival = request({"generic_key": "gpu_inference", "x-tenant-id": "t"})
     await rig.service.decide_shared(arrival)  # the store answers again: the backlog goes
@@ -342,8 +344,8 @@ async def test_usage_charged_while_the_store_is_away_is_accounted_once(fail_open
 async def test_the_backlog_keeps_a_bounded_number_of_tenants_oldest_dropped_first() -> None:
     rig = Rig(RateLimit.model_validate({"budgets": {"default": {"tokens": 100}, "max_tenants": 2}}))
     store = FakeStore(rig.clock, fail_open=False)  # failing open, the replica's part takes the usage
-    rig.service = RateLimitService(rig.pressure, rig.metrics, lambda: rig.config, clock=rig.clock,
-                                   rng=random.Random(1), store=store)
+    rig.service = RateLimitService(rig.machine(), rig.metrics, lambda: rig.config, clock=rig.clock,
+                                   store=store)
     store.down = True
     for tenant in ("a", "b", "c"):
         await rig.service.decide_shared(_usage(tenant, 10))
@@ -393,12 +395,12 @@ async def test_the_controller_charges_its_fair_queues_what_the_other_replicas_se
         waiting[tenant] = controller._waiters[decision.ticket.id]
     queued = [("interactive", "globex"), ("interactive", "acme")]
     await there.served({pair: 1.0 for pair in queued}, [])
-    await controller._sync_served(queued)  # a baseline
-    controller._served[("interactive", "acme")] = 50.0  # its own work: sent, never charged back
+    await controller.fleet.sync_served(queued)  # a baseline
+    controller.fleet._served[("interactive", "acme")] = 50.0  # its own work: sent, never charged back
     await there.served({("interactive", "globex"): 100.0}, [])  # the other replica served globex
-    await controller._sync_served(queued)
+    await controller.fleet.sync_served(queued)
     assert fleet == {("interactive", "globex"): 101.0, ("interactive", "acme"): 51.0}
-    assert controller._served == {}
+    assert controller.fleet._served == {}
     controller.release(running[0])
     answered = {tenant: future.result().outcome for tenant, future in waiting.items() if future.done()}
     assert answered == {"acme": Outcome.ADMITTED}  # globex waits: the fleet served it elsewhere

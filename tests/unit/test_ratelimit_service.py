@@ -19,17 +19,14 @@ from extproc.controller import Controller
 from extproc.core.classify import Classifier, RequestFacts
 from extproc.core.decision import Reason
 from extproc.core.drain import Told
+from extproc.core.edge import ANY_LANE, LanePressure, SchedulerPressure
 from extproc.core.estimate import Job
+from extproc.core.machine import Machine
 from extproc.core.retry import retry_after
 from extproc.metrics import Metrics, RateLimitMetrics
 from extproc.policy import Policy
 from extproc.policy.ratelimit import RateLimit, RetryBudgetPolicy, problems
-from extproc.servers.ratelimit import (
-    ANY_LANE,
-    ControllerPressure,
-    LanePressure,
-    RateLimitService,
-)
+from extproc.servers.ratelimit import RateLimitService
 
 OK = pb.RateLimitResponse.OK
 OVER = pb.RateLimitResponse.OVER_LIMIT
@@ -116,8 +113,11 @@ class Rig:
         self.pressure = FakePressure(policy or make_policy())
         self.config = config or RateLimit()
         self.clock = Clock()
-        self.service = RateLimitService(self.pressure, self.metrics, lambda: self.config, clock=self.clock,
-                                        rng=random.Random(1))
+        self.service = RateLimitService(self.machine(), self.metrics, lambda: self.config, clock=self.clock)
+
+    def machine(self) -> Machine:
+        """A machine whose edge reads this rig's pressure (fresh budgets)."""
+        return Machine(self.pressure.policy, pressure=self.pressure, edge_rng=random.Random(1))
 
     def ask(self, *descriptors: Mapping[str, str] | tuple[Mapping[str, str], int], domain: str = "extproc",
             hits: int = 0) -> pb.RateLimitResponse:
@@ -518,7 +518,7 @@ def test_usage_reports_without_tokens_or_a_token_budget_charge_nothing() -> None
     assert rig.sample("extproc_ratelimit_usage_reports_total") == 0
     rig.ask(usage(500))
     assert rig.sample("extproc_ratelimit_usage_tokens_total") == 500
-    assert len(rig.service.tokens) == 0
+    assert rig.service.machine.budget_sizes()["tokens"] == 0
 
 
 def test_usage_reports_take_request_level_hits_too() -> None:
@@ -564,7 +564,7 @@ def test_a_response_extproc_never_admitted_charges_nothing() -> None:
     rig.ask(finished(x_tenant_id="acme"))
     assert rig.sample("extproc_ratelimit_usage_estimates_total") == 0
     assert rig.sample("extproc_ratelimit_usage_unknown_total") == 1
-    assert len(rig.service.tokens) == 0
+    assert rig.service.machine.budget_sizes()["tokens"] == 0
 
 
 def test_a_smaller_max_tenants_after_a_reload_shrinks_the_tables() -> None:
@@ -574,7 +574,7 @@ def test_a_smaller_max_tenants_after_a_reload_shrinks_the_tables() -> None:
     assert rig.sample("extproc_ratelimit_tenants", budget="requests") == 5
     rig.config = RateLimit.model_validate({"budgets": {"default": {"requests": 10}, "max_tenants": 2}})
     rig.ask(arrival(x_tenant_id="t9"))
-    assert len(rig.service.requests) == 2
+    assert rig.service.machine.budget_sizes()["requests"] == 2
     assert rig.sample("extproc_ratelimit_tenants", budget="requests") == 2
 
 
@@ -703,7 +703,7 @@ def test_one_reason_vocabulary_knows_when_retrying_helps() -> None:
 async def test_controller_pressure_reads_the_live_scheduler() -> None:
     policy = make_policy()
     controller = Controller(policy, Metrics(CollectorRegistry()), rng=random.Random(1))
-    pressure = ControllerPressure(controller)
+    pressure = SchedulerPressure(controller.machine._scheduler, controller.now)
     job = Job(model=None, prompt_tokens=10, output_tokens=100)
     decisions = [controller.submit("interactive", "acme", job) for _ in range(5)]
     assert [d.outcome.value for d in decisions] == ["admitted"] * 2 + ["queued"] * 3
@@ -724,7 +724,7 @@ async def test_controller_pressure_reads_the_live_scheduler() -> None:
     assert pressure.lane("interactive").paused  # type: ignore[union-attr]
     controller.resume("interactive")
     rig_metrics = RateLimitMetrics(CollectorRegistry())
-    service = RateLimitService(pressure, rig_metrics, RateLimit, rng=random.Random(1))
+    service = RateLimitService(controller.machine, rig_metrics, RateLimit)
     assert service.decide(request(arrival())).overall_code == OK  # one queue place left
     controller.submit("interactive", "acme", job)
     assert service.decide(request(arrival(x_tenant_id="acme"))).overall_code == OVER
@@ -788,7 +788,7 @@ def test_problems_name_each_key() -> None:
 
 def test_the_edge_remembers_few_small_arrivals_and_never_a_client_sized_one() -> None:
     rig = Rig()
-    edge = rig.service.edge
+    edge = rig.service.machine._edge
     for i in range(3):
         rig.ask(arrival(path=f"/v1/chat/completions?n={i}"))  # the query classifies nothing
     assert len(edge._arrivals) == 1

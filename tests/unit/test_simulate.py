@@ -81,17 +81,13 @@ def test_same_seed_same_results(demo_policy: Policy) -> None:
 
 
 def test_the_simulator_and_the_live_service_share_one_core() -> None:
-    from extproc.core.edge import Edge
-    from extproc.core.gatekeeper import Gatekeeper
-    from extproc.core.intake import Intake
+    from extproc.core.machine import Machine
     from extproc.servers import ratelimit
 
-    assert simulate.Gatekeeper is controller.Gatekeeper is Gatekeeper
-    assert simulate.Intake is Intake
-    assert simulate.Edge is ratelimit.Edge is Edge
-    assert Gatekeeper(Policy.model_validate({"lanes": [{"name": "a", "max_inflight": 1, "deadline": "1s"}],
-                                             "classification": {"default_lane": "a"}})).scheduler.__class__ \
-        is admission.Scheduler
+    assert simulate.Machine is controller.Machine is ratelimit.Machine is Machine
+    machine = Machine(Policy.model_validate({"lanes": [{"name": "a", "max_inflight": 1, "deadline": "1s"}],
+                                             "classification": {"default_lane": "a"}}))
+    assert machine._scheduler.__class__ is admission.Scheduler
 
 
 def test_policy_limits_hold_in_simulation(demo_policy: Policy) -> None:
