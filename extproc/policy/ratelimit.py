@@ -20,28 +20,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import BeforeValidator, Field, field_validator
 
-from extproc.policy.fields import Duration
+from extproc.policy.fields import Duration, HeaderName, Strict
 
 if TYPE_CHECKING:
     from extproc.policy.schema import Policy
 
-
-
-
-_Duration = Duration
-_HeaderName = Annotated[str, Field(pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$", max_length=128)]
 _DescriptorValue = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
 Unit = Literal["second", "minute", "hour", "day"]
 UNIT_SECONDS: dict[str, float] = {"second": 1.0, "minute": 60.0, "hour": 3600.0, "day": 86400.0}
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
-
-
-class TenantLimit(_Strict):
+class TenantLimit(Strict):
     """One tenant's budget. A limit left out is no limit."""
 
     requests: Annotated[int | None, Field(ge=1, le=1_000_000_000)] = None
@@ -56,7 +47,7 @@ class TenantLimit(_Strict):
         return UNIT_SECONDS[self.per]
 
 
-class Budgets(_Strict):
+class Budgets(Strict):
     default: TenantLimit = Field(default_factory=TenantLimit)
     """Applies to every tenant not listed under ``tenants``."""
     tenants: dict[Annotated[str, Field(min_length=1, max_length=1024)], TenantLimit] = Field(
@@ -83,7 +74,7 @@ def _off(value: object) -> object:
     return "off" if value is False else value
 
 
-class RateLimit(_Strict):
+class RateLimit(Strict):
     """What the rate limit service answers Envoy's ratelimit filter (the edge, before ext_proc)."""
 
     mode: Annotated[Literal["enforce", "shadow", "off"], BeforeValidator(_off)] = "enforce"
@@ -110,16 +101,16 @@ class RateLimit(_Strict):
         return self.ask_usage and self.mode != "off" and self.budgets.tokens
 
 
-class RetryBudgetPolicy(_Strict):
+class RetryBudgetPolicy(Strict):
     """Retries may be at most ``ratio`` of the admitted original requests, plus a small floor."""
 
     enabled: bool = True
-    header: _HeaderName = "x-stainless-retry-count"
+    header: HeaderName = "x-stainless-retry-count"
     """A request whose value here is a number above 0 is a retry (the OpenAI SDKs set it)."""
     ratio: Annotated[float, Field(ge=0, le=1)] = 0.1
     min_per_second: Annotated[float, Field(ge=0, le=1_000_000)] = 1.0
     """Retries allowed per second however few originals there were (a quiet service may retry)."""
-    window: Annotated[_Duration, Field(gt=0, le=3600)] = 10.0
+    window: Annotated[Duration, Field(gt=0, le=3600)] = 10.0
 
     @field_validator("header")
     @classmethod
