@@ -3,8 +3,8 @@
 Two top-level policy keys: ``ratelimit`` (what the rate limit service answers
 Envoy's ratelimit filter: lane pressure and per-tenant budgets) and
 ``retry_budget`` (how large a share of admitted work retries may be). Both are
-strict and frozen like the rest of the policy; ``problems`` reports the rules
-that need the whole policy to check, one "key.path: message" line each.
+strict and frozen like the rest of the policy; the rules that need other sections
+to check (``extproc.policy.schema.ratelimit_problems``) run with the whole policy.
 
 A tenant budget is a token bucket: ``requests`` (or ``tokens``) ``per`` unit of
 time, refilled continuously, holding ``burst`` units' worth at most::
@@ -18,14 +18,11 @@ time, refilled continuously, holding ``burst`` units' worth at most::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, Field, field_validator
 
 from extproc.policy.fields import Duration, HeaderName, Strict
-
-if TYPE_CHECKING:
-    from extproc.policy.schema import Policy
 
 _DescriptorValue = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
 Unit = Literal["second", "minute", "hour", "day"]
@@ -117,26 +114,3 @@ class RetryBudgetPolicy(Strict):
     def _lower(cls, value: str) -> str:
         return value.lower()
 
-
-def problems(ratelimit: RateLimit, retry_budget: RetryBudgetPolicy, policy: Policy) -> list[str]:
-    """Rules that need the whole policy, as "key.path: message" lines (empty when all hold)."""
-    out: list[str] = []
-    if ratelimit.usage_descriptor == ratelimit.request_descriptor:
-        out.append(
-            f"ratelimit.usage_descriptor: equals request_descriptor ({ratelimit.request_descriptor!r}); "
-            f"token reports could not be told from requests"
-        )
-    tenants = policy.tenants
-    for name in ratelimit.budgets.tenants:
-        where = f"ratelimit.budgets.tenants.{name}"
-        if len(name) > tenants.max_tenant_length:
-            out.append(
-                f"{where}: longer than tenants.max_tenant_length ({tenants.max_tenant_length}); "
-                f"tenant names are cut to that length, so this budget could never apply"
-            )
-        elif tenants.header is None and name != tenants.default:
-            out.append(
-                f"{where}: no tenants.header is set, so every request is tenant {tenants.default!r} "
-                f"and this budget could never apply"
-            )
-    return out
