@@ -3,8 +3,8 @@
 Two top-level policy keys: ``ratelimit`` (what the rate limit service answers
 Envoy's ratelimit filter: lane pressure and per-tenant budgets) and
 ``retry_budget`` (how large a share of admitted work retries may be). Both are
-strict and frozen like the rest of the policy; ``problems`` reports the rules
-that need the whole policy to check, one "key.path: message" line each.
+strict and frozen like the rest of the policy; the rules that need other sections
+to check (``extproc.policy.schema.ratelimit_problems``) run with the whole policy.
 
 A tenant budget is a token bucket: ``requests`` (or ``tokens``) ``per`` unit of
 time, refilled continuously, holding ``burst`` units' worth at most::
@@ -18,30 +18,18 @@ time, refilled continuously, holding ``burst`` units' worth at most::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import BeforeValidator, Field, field_validator
 
-from extproc.policy.fields import Duration
+from extproc.policy.fields import Duration, HeaderName, Strict
 
-if TYPE_CHECKING:
-    from extproc.policy.schema import Policy
-
-
-
-
-_Duration = Duration
-_HeaderName = Annotated[str, Field(pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$", max_length=128)]
 _DescriptorValue = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
 Unit = Literal["second", "minute", "hour", "day"]
 UNIT_SECONDS: dict[str, float] = {"second": 1.0, "minute": 60.0, "hour": 3600.0, "day": 86400.0}
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
-
-
-class TenantLimit(_Strict):
+class TenantLimit(Strict):
     """One tenant's budget. A limit left out is no limit."""
 
     requests: Annotated[int | None, Field(ge=1, le=1_000_000_000)] = None
@@ -56,7 +44,7 @@ class TenantLimit(_Strict):
         return UNIT_SECONDS[self.per]
 
 
-class Budgets(_Strict):
+class Budgets(Strict):
     default: TenantLimit = Field(default_factory=TenantLimit)
     """Applies to every tenant not listed under ``tenants``."""
     tenants: dict[Annotated[str, Field(min_length=1, max_length=1024)], TenantLimit] = Field(
@@ -83,7 +71,7 @@ def _off(value: object) -> object:
     return "off" if value is False else value
 
 
-class RateLimit(_Strict):
+class RateLimit(Strict):
     """What the rate limit service answers Envoy's ratelimit filter (the edge, before ext_proc)."""
 
     mode: Annotated[Literal["enforce", "shadow", "off"], BeforeValidator(_off)] = "enforce"
@@ -110,42 +98,19 @@ class RateLimit(_Strict):
         return self.ask_usage and self.mode != "off" and self.budgets.tokens
 
 
-class RetryBudgetPolicy(_Strict):
+class RetryBudgetPolicy(Strict):
     """Retries may be at most ``ratio`` of the admitted original requests, plus a small floor."""
 
     enabled: bool = True
-    header: _HeaderName = "x-stainless-retry-count"
+    header: HeaderName = "x-stainless-retry-count"
     """A request whose value here is a number above 0 is a retry (the OpenAI SDKs set it)."""
     ratio: Annotated[float, Field(ge=0, le=1)] = 0.1
     min_per_second: Annotated[float, Field(ge=0, le=1_000_000)] = 1.0
     """Retries allowed per second however few originals there were (a quiet service may retry)."""
-    window: Annotated[_Duration, Field(gt=0, le=3600)] = 10.0
+    window: Annotated[Duration, Field(gt=0, le=3600)] = 10.0
 
     @field_validator("header")
     @classmethod
     def _lower(cls, value: str) -> str:
         return value.lower()
 
-
-def problems(ratelimit: RateLimit, retry_budget: RetryBudgetPolicy, policy: Policy) -> list[str]:
-    """Rules that need the whole policy, as "key.path: message" lines (empty when all hold)."""
-    out: list[str] = []
-    if ratelimit.usage_descriptor == ratelimit.request_descriptor:
-        out.append(
-            f"ratelimit.usage_descriptor: equals request_descriptor ({ratelimit.request_descriptor!r}); "
-            f"token reports could not be told from requests"
-        )
-    tenants = policy.tenants
-    for name in ratelimit.budgets.tenants:
-        where = f"ratelimit.budgets.tenants.{name}"
-        if len(name) > tenants.max_tenant_length:
-            out.append(
-                f"{where}: longer than tenants.max_tenant_length ({tenants.max_tenant_length}); "
-                f"tenant names are cut to that length, so this budget could never apply"
-            )
-        elif tenants.header is None and name != tenants.default:
-            out.append(
-                f"{where}: no tenants.header is set, so every request is tenant {tenants.default!r} "
-                f"and this budget could never apply"
-            )
-    return out

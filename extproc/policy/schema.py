@@ -15,7 +15,6 @@ from pydantic import Field, PlainValidator, field_validator, model_validator
 
 from extproc.policy.fields import Duration, HeaderName, Strict
 from extproc.policy.ratelimit import RateLimit, RetryBudgetPolicy
-from extproc.policy.ratelimit import problems as ratelimit_problems
 from extproc.policy.signals import Signals
 from extproc.policy.signals import problems as signal_problems
 
@@ -117,6 +116,30 @@ class Tenants(_Strict):
     @classmethod
     def _lower(cls, value: str | None) -> str | None:
         return value.lower() if value else value
+
+
+def ratelimit_problems(ratelimit: RateLimit, tenants: Tenants) -> list[str]:
+    """The ``ratelimit`` section's rules that need the ``tenants`` section too, as "key.path: message"
+    lines (empty when all hold)."""
+    out: list[str] = []
+    if ratelimit.usage_descriptor == ratelimit.request_descriptor:
+        out.append(
+            f"ratelimit.usage_descriptor: equals request_descriptor ({ratelimit.request_descriptor!r}); "
+            f"token reports could not be told from requests"
+        )
+    for name in ratelimit.budgets.tenants:
+        where = f"ratelimit.budgets.tenants.{name}"
+        if len(name) > tenants.max_tenant_length:
+            out.append(
+                f"{where}: longer than tenants.max_tenant_length ({tenants.max_tenant_length}); "
+                f"tenant names are cut to that length, so this budget could never apply"
+            )
+        elif tenants.header is None and name != tenants.default:
+            out.append(
+                f"{where}: no tenants.header is set, so every request is tenant {tenants.default!r} "
+                f"and this budget could never apply"
+            )
+    return out
 
 
 class ModelCost(_Strict):
@@ -350,7 +373,7 @@ class Policy(_Strict):
                 f"may borrow, so the extra slots could never be used"
             )
         problems.extend(signal_problems(self.signals, seen))
-        problems.extend(ratelimit_problems(self.ratelimit, self.retry_budget, self))
+        problems.extend(ratelimit_problems(self.ratelimit, self.tenants))
         if problems:
             # One problem per line: the loader splits them back into separate errors.
             raise ValueError("\n".join(problems))

@@ -96,12 +96,12 @@ async def test_garbage_in_the_keys_is_a_full_bucket(ledgers: list[RedisLedger],
     client = shared_server.client()
     client.set(store.budget_key("requests:a"), "not a hash")
     client.hset(store.budget_key("requests:b"), mapping={"level": "nan", "at": "x"})
-    client.set(store._retry_key, "junk")
+    client.set(store.budgets.retry_key, "junk")
     levels = await store.buckets([BucketOp("requests:a", "take", 1.0, 2.0, 1.0),
                                   BucketOp("requests:b", "take", 1.0, 2.0, 1.0)])
     assert [(level.allowed, level.level) for level in levels] == [(True, 1.0), (True, 1.0)]
     assert await store.retry_counts(1, 0, 10.0, 10) == (0, 0)
-    client.hset(store._retry_key, mapping={"d:zz:x": "1", "w:5:y": "nope"})
+    client.hset(store.budgets.retry_key, mapping={"d:zz:x": "1", "w:5:y": "nope"})
     assert await store.retry_counts(0, 0, 10.0, 10) == (0, 0)
 
 
@@ -127,9 +127,9 @@ async def test_each_replica_learns_the_work_the_others_served(ledgers: list[Redi
     assert await two.served({acme: 1.0}, [acme]) == {}  # its own
     assert await one.served({}, [acme]) == {}  # after a gap: a baseline again
     client = shared_server.client()
-    client.hset(one._served_key, "chat|acme", "garbage")
+    client.hset(one.budgets.served_key, "chat|acme", "garbage")
     assert await two.served({acme: 1.0}, [acme]) == {}  # garbage replaced, never a crash
-    client.set(one._served_key, "not a hash")
+    client.set(one.budgets.served_key, "not a hash")
     assert await one.served({}, [acme]) == {}
 
 
@@ -186,11 +186,11 @@ async def test_thousands_of_queued_pairs_are_read_and_an_error_reply_is_not_an_o
         pairs = [("chat", f"tenant-{i}") for i in range(9000)]  # more than Lua's unpack can take
         assert await ledger.served({pair: 1.0 for pair in pairs}, pairs) == {}
         assert await ledger.served({}, pairs) == {}
-        assert len(primary._served_seen) == 9000
+        assert len(primary.budgets._served_seen) == 9000
         assert (ledger.degraded, primary.healthy) == (False, True)
         # An error reply of one call (here an unknown command) is that call's failure, not an outage.
         with pytest.raises(StoreScriptError):
-            await primary._io(lambda client: client.execute_command("NO-SUCH-COMMAND"), name="bogus")
+            await primary.link.io(lambda client: client.execute_command("NO-SUCH-COMMAND"), name="bogus")
         assert (ledger.degraded, primary.healthy) == (False, True)
         assert (primary.script_errors, errors) == (1, ["bogus"])
         assert (await ledger.buckets([BucketOp("requests:t", "take", 1.0, 5.0, 1.0)]))[0].allowed
@@ -236,9 +236,9 @@ async def test_non_counts_in_the_retry_window_are_garbage(ledgers: list[RedisLed
     client = shared_server.client()
     t = 7_000_000  # ms: slots of 1 s
     slot = t // 1000
-    client.hset(one._retry_key, mapping={f"d:{slot}:other": "inf", f"w:{slot}:other": "-inf",
-                                         f"d:{slot}:third": "nan", f"w:{slot}:third": "1.5",
-                                         f"w:{slot}:{one.replica}": "0.5", f"d:{slot}:fourth": "3"})
+    client.hset(one.budgets.retry_key, mapping={f"d:{slot}:other": "inf", f"w:{slot}:other": "-inf",
+                                                f"d:{slot}:third": "nan", f"w:{slot}:third": "1.5",
+                                                f"w:{slot}:{one.replica}": "0.5", f"d:{slot}:fourth": "3"})
     assert await one.retry_counts(2, 1, 10.0, 10, now_ms=t) == (3, 0)  # its own garbage replaced too
     assert await two.retry_counts(0, 0, 10.0, 10, now_ms=t) == (5, 1)
 
@@ -248,16 +248,16 @@ async def test_a_served_answer_lost_after_the_script_ran_is_not_charged_as_the_o
     one, _ = ledgers
     acme = ("chat", "acme")
     assert await one.served({acme: 1.0}, [acme]) == {}  # a baseline
-    real = one._run
+    real = one.link.run
 
     async def lost(name: str, keys: Any, args: Any, probe: bool = False) -> Any:
         await real(name, keys, args, probe)  # the script runs; its answer never arrives
         raise LedgerUnavailable("timeout")
 
-    one._run = lost  # type: ignore[method-assign]
+    one.link.run = lost  # type: ignore[method-assign]
     with pytest.raises(LedgerUnavailable):
         await one.served({acme: 2.0}, [acme])
-    one._run = real  # type: ignore[method-assign]
+    one.link.run = real  # type: ignore[method-assign]
     assert await one.served({}, [acme]) == {}  # a baseline again: its own 2.0 is not the others'
 
 
@@ -268,12 +268,12 @@ async def test_the_served_baseline_starts_over_when_the_store_degrades(server: R
     try:
         acme = ("chat", "acme")
         assert await ledger.served({acme: 1.0}, [acme]) == {}
-        assert primary._served_seen
+        assert primary.budgets._served_seen
         server.kill()
         with pytest.raises(LedgerUnavailable):
             await ledger.buckets([BucketOp("requests:t", "take", 1.0, 5.0, 1.0)])
         assert ledger.degraded
-        assert primary._served_seen == {}
+        assert primary.budgets._served_seen == {}
     finally:
         await ledger.close()
 
@@ -333,10 +333,10 @@ async def test_an_outage_reply_in_a_shared_pipeline_is_an_outage(
         else:
             client.config_set("maxmemory", "1")
         op = BucketOp("requests:t", "take", 1.0, 5.0, 1.0)
-        async with primary._gate:  # every connection busy: the calls queue for one pipeline
+        async with primary.link._gate:  # every connection busy: the calls queue for one pipeline
             calls = [asyncio.ensure_future(primary.buckets([op])) for _ in range(3)]
             await asyncio.sleep(0)
-            assert len(primary._queue) == 3
+            assert len(primary.link._queue) == 3
         answers = await asyncio.gather(*calls, return_exceptions=True)
         assert all(isinstance(a, LedgerUnavailable) and not isinstance(a, StoreScriptError)
                    for a in answers), answers

@@ -25,7 +25,8 @@ from extproc.core.machine import Machine
 from extproc.core.retry import retry_after
 from extproc.metrics import Metrics, RateLimitMetrics
 from extproc.policy import Policy
-from extproc.policy.ratelimit import RateLimit, RetryBudgetPolicy, problems
+from extproc.policy.ratelimit import RateLimit
+from extproc.policy.schema import ratelimit_problems
 from extproc.servers.ratelimit import RateLimitService
 
 OK = pb.RateLimitResponse.OK
@@ -766,7 +767,7 @@ def test_policy_refuses_bad_values(data: dict[str, Any], loc: tuple[str, ...]) -
 
 def test_problems_of_a_sound_policy_are_none() -> None:
     config = RateLimit.model_validate({"budgets": {"tenants": {"acme": {"requests": 3}}}})
-    assert problems(config, RetryBudgetPolicy(), make_policy()) == []
+    assert ratelimit_problems(config, make_policy().tenants) == []
 
 
 def test_problems_name_each_key() -> None:
@@ -775,7 +776,7 @@ def test_problems_name_each_key() -> None:
         "budgets": {"tenants": {"x" * 40: {"requests": 3}, "anon": {"requests": 1}, "acme": {"requests": 2}}},
     })
     no_header = make_policy(tenants={"default": "anon", "max_tenant_length": 32}, trusted_headers=["x-lane"])
-    found = problems(config, RetryBudgetPolicy(), no_header)
+    found = ratelimit_problems(config, no_header.tenants)
     assert found == [
         "ratelimit.usage_descriptor: equals request_descriptor ('same'); token reports could not be told "
         "from requests",
