@@ -139,8 +139,26 @@ class _StateCollector(Collector):
 
 
 class Metrics:
+    """Admission's metrics, declared by subject; the public handles are the attributes."""
+
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
+        self._declare_decisions(registry)
+        self._declare_store(registry)
+        self._declare_streams(registry)
+        self._declare_policy(registry)
+        self._declare_capacity(registry)
+        # The request path goes through these (see Children); the metrics declared below stay the
+        # public handles.
+        self.queue_wait_of = Children(self.queue_wait)
+        self.service_time_of = Children(self.service_time)
+        self.decisions_of = Children(self.decisions)
+        self.rejections_of = Children(self.rejections)
+        self.shadow_of = Children(self.shadow)
+
+    def _declare_decisions(self, registry: CollectorRegistry) -> None:
+        """What admission decided, by lane: outcomes, rejections and their reasons, shadow verdicts,
+        and the waits and service times of what it admitted."""
         self.queue_wait = Histogram(
             "inference_queue_wait_seconds", "Time from arrival to admission, by lane.", ["lane"],
             buckets=WAIT_BUCKETS, registry=registry,
@@ -161,6 +179,14 @@ class Metrics:
             "extproc_saturation_rejections", "Requests shed because a cluster signal says the backend is "
             "saturated, by lane, saturation rule and signal.", ["lane", "rule", "signal"], registry=registry,
         )
+        self.shadow = Counter(
+            "extproc_shadow_decisions", "Requests a shadow-mode lane admitted that enforcing would have "
+            "queued or rejected, by lane, outcome and reason.", ["lane", "outcome", "reason"],
+            registry=registry,
+        )
+
+    def _declare_store(self, registry: CollectorRegistry) -> None:
+        """The shared store: its failing scripts and the admissions it refused."""
         self.store_script_errors = Counter(
             "extproc_store_script_errors", "Calls to the shared store that failed with an error reply while "
             "the store was up (a script's own failure, not an outage: the replica stays healthy), by script.",
@@ -171,11 +197,9 @@ class Metrics:
             "queue), by lane and why: the cluster-wide counts were higher than this replica had seen, or "
             "another replica's waiting request was better placed.", ["lane", "verdict"], registry=registry,
         )
-        self.shadow = Counter(
-            "extproc_shadow_decisions", "Requests a shadow-mode lane admitted that enforcing would have "
-            "queued or rejected, by lane, outcome and reason.", ["lane", "outcome", "reason"],
-            registry=registry,
-        )
+
+    def _declare_streams(self, registry: CollectorRegistry) -> None:
+        """Envoy's ext_proc streams: refused at intake, ended abnormally, never ended."""
         self.stream_errors = Counter(
             "extproc_stream_errors", "ext_proc streams that ended abnormally, by kind.", ["kind"],
             registry=registry,
@@ -196,6 +220,9 @@ class Metrics:
             "extproc_slots_reclaimed", "Slots reclaimed by the lease backstop (their stream never ended).",
             registry=registry,
         )
+
+    def _declare_policy(self, registry: CollectorRegistry) -> None:
+        """Reloads of the policy file, and the age of the policy in force."""
         self.policy_reloads = Counter(
             "extproc_policy_reloads", "Policy reload attempts that found a changed file, by result "
             "(ok: swapped in; error: rejected, the previous policy stays).", ["result"], registry=registry,
@@ -213,6 +240,9 @@ class Metrics:
             "invalid while an older policy serves (epoch seconds; 0 while the file is the policy in force).",
             registry=registry,
         )
+
+    def _declare_capacity(self, registry: CollectorRegistry) -> None:
+        """The self-sized fleet in-flight limit (capacity.max_inflight: auto)."""
         self.capacity_limit = Gauge(
             "extproc_capacity_limit", "The self-sized fleet in-flight limit (capacity.max_inflight: auto): "
             "the same on every replica sharing a store; mode shadow: computed and shown, not enforced.",
@@ -231,12 +261,6 @@ class Metrics:
             "extproc_capacity_target_unreachable", "1 while a latency target is not met even at the limit's "
             "min (the limit stays at min).", registry=registry,
         )
-        # The request path goes through these (see Children); the metrics above stay the public handles.
-        self.queue_wait_of = Children(self.queue_wait)
-        self.service_time_of = Children(self.service_time)
-        self.decisions_of = Children(self.decisions)
-        self.rejections_of = Children(self.rejections)
-        self.shadow_of = Children(self.shadow)
 
     def rejection_counts(self) -> dict[str, dict[str, int]]:
         """Rejections since start, by lane and reason (for the admin state document)."""

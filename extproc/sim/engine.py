@@ -18,9 +18,8 @@ requests in seconds. Every call takes an explicit ``now``; nothing here reads a
 clock or does I/O, so the same model runs behind the live HTTP backend (asyncio,
 wall clock) and in the what-if simulator (virtual clock).
 
-KV usage is counted in tokens: a running sequence holds its prompt plus the
-tokens generated so far. A decoding sequence's share grows by one token per
-step, so the total is kept as ``fixed + decoding × steps`` and never summed.
+KV usage is counted in tokens, a running sequence holding its prompt plus the
+tokens generated so far, by the batch (:mod:`extproc.sim.batch`) in O(1) per change.
 
 Capacity (``set_capacity(F, now)``, 0 < F ≤ 1) models losing part of the hardware — a GPU
 gone from a tensor-parallel group — or a noisy neighbour. At fraction F the KV cache and the
@@ -34,28 +33,21 @@ waiting queue, counted in ``preemptions``); nothing is lost or emitted twice. ``
 restores the profile exactly. :func:`parse_capacity_schedule` reads ``T:F,…`` schedules.
 
 Recent latencies (``recent_ttft_p95``, ``recent_itl_p95``; kept only for an engine made with
-``keep_latencies=True``, as the offline simulator does) come from a record of the last
-``LATENCY_HISTORY_S`` seconds, so a caller on a virtual clock gets what
-``histogram_quantile(0.95, rate(…[window]))`` over vLLM's histograms would give, without the
-buckets: TTFT once per request at its first token (``vllm:time_to_first_token_seconds``), and
-inter-token latency (ITL) once per generated token after a request's first, the time since
-that request's previous token (``vllm:inter_token_latency_seconds``). A decoding sequence
-sees one ITL of the step's length per step, so a prefill chunk sharing the step stretches
-its ITL; a sequence preempted and recomputed sees one long ITL, from its last token before
-the preemption to the first after its prefill is redone. A run of identical steps is one
-record (length, steps, sequences), so the cost stays per event, not per token. Percentiles
-are nearest-rank (the smallest sample with at least 95 % of the samples at or below it).
+``keep_latencies=True``, as the offline simulator does) are the p95 over a window of what the steps
+made, TTFT per request and inter-token latency per token, as vLLM's histograms would give them: the
+record and what counts as a sample are in :mod:`extproc.sim.latencies`.
 """
 
 from __future__ import annotations
 
 import argparse
-import heapq
 import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from extproc.sim.batch import Batch, Seq
+from extproc.sim.latencies import LATENCY_HISTORY_S, LatencyRecord
 from extproc.sim.profiles import Profile
 
 
@@ -86,10 +78,7 @@ class RequestRejected(ValueError):
     """The engine can never run this request (too long for the model, bad lengths)."""
 
 
-#: How far back the latency record reaches (engine seconds).
-LATENCY_HISTORY_S = 600.0
-#: Rounding tolerance: a capacity fraction is floored after it (0.29 × 100 slots is 29, not 28),
-#: and a percentile's rank is taken before it.
+#: Rounding tolerance: a capacity fraction is floored after it (0.29 × 100 slots is 29, not 28).
 _EPS = 1e-9
 
 #: Called with (seconds, count): ``count`` inter-token intervals of ``seconds`` each were made.
@@ -132,28 +121,30 @@ def capacity_schedule_arg(text: str) -> tuple[tuple[float, float], ...]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-class _Seq:
-    __slots__ = ("arrival", "decoding", "first_token_at", "generated", "kv_base", "last_token_at", "output",
-                 "preemptions", "prefill_left", "prompt", "req_id", "scheduled_at", "since_step", "uid")
+class _Capacity:
+    """What the engine runs on at capacity fraction F: its KV cache, its running-sequence cap and
+    the cost of a step (see the module doc)."""
 
-    def __init__(self, uid: int, req_id: str, prompt: int, output: int, arrival: float) -> None:
-        self.uid = uid
-        self.req_id = req_id
-        self.prompt = prompt
-        self.output = output
-        self.arrival = arrival
-        #: Tokens generated as of step ``since_step`` (decoding) or frozen (otherwise).
-        self.generated = 0
-        self.since_step = 0
-        self.decoding = False
-        self.prefill_left = 0
-        #: This sequence's share of the engine's fixed KV term (see module doc).
-        self.kv_base = 0
-        self.scheduled_at: float | None = None
-        self.first_token_at: float | None = None
-        #: When its latest token was made, once it has one (the base of its next inter-token latency).
-        self.last_token_at: float | None = None
-        self.preemptions = 0
+    __slots__ = ("_profile", "_scale", "_step_cache", "fraction", "kv_tokens", "max_running", "prefill_cost")
+
+    def __init__(self, profile: Profile, time_scale: float, fraction: float = 1.0) -> None:
+        self._profile = profile
+        self.fraction = fraction
+        self.kv_tokens = max(math.floor(fraction * profile.kv_cache_tokens + _EPS),
+                             min(profile.max_model_len + profile.block_size, profile.kv_cache_tokens))
+        self.max_running = max(1, math.floor(fraction * profile.max_running + _EPS))
+        #: Seconds of engine time per second of profile time: the time scale, slowed by 1/F.
+        self._scale = time_scale / fraction
+        self.prefill_cost = profile.prefill_s_per_token * self._scale
+        self._step_cache: dict[int, float] = {}
+
+    def step_seconds(self, batch: int) -> float:
+        cost = self._step_cache.get(batch)
+        if cost is None:
+            # Losing part of the GPU slows every step by 1/F (in _scale).
+            cost = self._profile.step_seconds(batch) * self._scale
+            self._step_cache[batch] = cost
+        return cost
 
 
 class Engine:
@@ -173,22 +164,11 @@ class Engine:
         self.time_scale = time_scale
         #: Told of every inter-token interval as the engine's clock passes it (a live histogram).
         self.on_interval = on_interval
-        self._fraction = 1.0
-        self._kv_capacity = profile.kv_cache_tokens
-        self._max_running = profile.max_running
-        #: Seconds of engine time per second of profile time: the time scale, slowed by 1/F.
-        self._scale = time_scale
-        self._prefill_cost = profile.prefill_s_per_token * time_scale
-        self._step_cache: dict[int, float] = {}
-        self._waiting: deque[_Seq] = deque()
-        self._running: dict[int, _Seq] = {}  # admission order: the newest is preempted first
-        self._prefilling: dict[int, _Seq] = {}  # the subset of _running still prefilling
-        self._by_id: dict[str, _Seq] = {}
-        self._finishes: list[tuple[int, int]] = []  # (step count at finish, uid); stale entries skipped
+        self._capacity = _Capacity(profile, time_scale)
+        self._waiting: deque[Seq] = deque()
+        self._batch = Batch()
+        self._by_id: dict[str, Seq] = {}
         self._uids = 0
-        self._steps = 0  # steps completed since the engine started
-        self._kv_fixed = 0
-        self._decoding = 0
         self._clock = float("-inf")
         self._busy = False
         #: A step boundary whose scheduling decision is still open: requests added at exactly
@@ -201,20 +181,16 @@ class Engine:
         self._run_done = 0
         self._step_len = 0.0
         self._run_left = 0  # steps left in the current run, the one in progress included
-        self._chunks: list[tuple[_Seq, int]] = []  # prefill work of the step in progress
+        self._chunks: list[tuple[Seq, int]] = []  # prefill work of the step in progress
         self._pending: list[Event] = []
         self.preemptions = 0
-        self._keep_latencies = keep_latencies
-        self._ttfts: deque[tuple[float, float]] = deque()  # (time, ttft)
-        #: (first step end, last step end, interval, steps, sequences): ``sequences`` intervals of
-        #: ``interval`` seconds ended at each of ``steps`` evenly spaced step ends.
-        self._itls: deque[tuple[float, float, float, int, int]] = deque()
+        self._latencies = LatencyRecord() if keep_latencies else None
 
     # -- state for metrics -------------------------------------------------------------------------
 
     @property
     def running(self) -> int:
-        return len(self._running)
+        return len(self._batch.running)
 
     @property
     def waiting(self) -> int:
@@ -222,7 +198,7 @@ class Engine:
 
     @property
     def kv_tokens(self) -> int:
-        return self._kv_fixed + self._decoding * self._steps
+        return self._batch.kv_tokens
 
     @property
     def kv_usage(self) -> float:
@@ -231,22 +207,22 @@ class Engine:
         Measured against the cache the engine has now: just after ``set_capacity`` shrank it the
         batch may hold more until the next step boundary preempts; that reads as 1 (full).
         """
-        return min(1.0, self.kv_tokens / self._kv_capacity)
+        return min(1.0, self.kv_tokens / self._capacity.kv_tokens)
 
     @property
     def capacity(self) -> float:
         """The capacity fraction F set last (1 unless ``set_capacity`` said otherwise)."""
-        return self._fraction
+        return self._capacity.fraction
 
     @property
     def kv_capacity_tokens(self) -> int:
         """The KV cache in tokens at the current capacity fraction."""
-        return self._kv_capacity
+        return self._capacity.kv_tokens
 
     @property
     def max_running(self) -> int:
         """The running-sequence cap at the current capacity fraction."""
-        return self._max_running
+        return self._capacity.max_running
 
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._by_id
@@ -254,7 +230,7 @@ class Engine:
     def progress(self, req_id: str) -> int:
         """Tokens generated so far for an active request (as of the last ``now``)."""
         seq = self._by_id[req_id]
-        return self._generated(seq)
+        return self._batch.generated(seq)
 
     def next_event_time(self) -> float | None:
         """When the engine next needs ``advance``: a step boundary where something may change.
@@ -288,14 +264,14 @@ class Engine:
             )
         self._catch_up(now, inclusive=False)
         self._uids += 1
-        seq = _Seq(self._uids, req_id, prompt_tokens, output_tokens, now)
+        seq = Seq(self._uids, req_id, prompt_tokens, output_tokens, now)
         self._by_id[req_id] = seq
         was_empty = not self._waiting
         self._waiting.append(seq)
         if not self._busy:
             if self._decide_at is None:
                 self._decide_at = now
-        elif was_empty and len(self._running) < self._max_running:
+        elif was_empty and len(self._batch.running) < self._capacity.max_running:
             # The batch may have room for it: stop the run after the step in progress. With a
             # queue already waiting, the head is blocked and this request behind it can't go first.
             self._run_left = 1
@@ -306,8 +282,8 @@ class Engine:
         seq = self._by_id.pop(req_id, None)
         if seq is None:
             return False
-        if seq.uid in self._running:
-            self._release(seq)
+        if seq.uid in self._batch.running:
+            self._batch.release(seq)
             if self._busy:
                 self._run_left = 1
         else:
@@ -329,16 +305,9 @@ class Engine:
         if not 0 < fraction <= 1:
             raise ValueError(f"capacity fraction must be in (0, 1], got {fraction!r}")
         self._catch_up(now, inclusive=False)
-        if fraction == self._fraction:
+        if fraction == self._capacity.fraction:
             return
-        p = self.profile
-        self._fraction = fraction
-        self._kv_capacity = max(math.floor(fraction * p.kv_cache_tokens + _EPS),
-                                min(p.max_model_len + p.block_size, p.kv_cache_tokens))
-        self._max_running = max(1, math.floor(fraction * p.max_running + _EPS))
-        self._scale = self.time_scale / fraction
-        self._prefill_cost = p.prefill_s_per_token * self._scale
-        self._step_cache.clear()
+        self._capacity = _Capacity(self.profile, self.time_scale, fraction)
         if self._busy:
             # The step in progress ends as planned; the next one is planned at the new capacity
             # (and preempts what no longer fits, or admits what now does).
@@ -351,69 +320,41 @@ class Engine:
 
         Brings the engine up to ``now`` first, as ``add`` does.
         """
-        lo = self._window_start(now, window)
-        samples = []
-        for at, ttft in reversed(self._ttfts):
-            if at <= lo:
-                break
-            samples.append((ttft, 1))
-        return _nearest_rank(samples, 0.95)
+        return self._latencies_to(now, window).ttft_p95(now - window)
 
     def recent_itl_p95(self, now: float, window: float = 60.0) -> float | None:
         """p95 of the inter-token latencies that ended in ``(now - window, now]``; None if none.
 
-        One sample per generated token after a request's first (see the module doc), so a long
-        request weighs by its tokens, as in vLLM's ``inter_token_latency_seconds`` histogram.
+        One sample per generated token after a request's first (see :mod:`extproc.sim.latencies`),
+        so a long request weighs by its tokens, as in vLLM's ``inter_token_latency_seconds`` histogram.
         """
-        lo = self._window_start(now, window)
-        samples = []
-        for first, last, interval, steps, sequences in reversed(self._itls):
-            if last <= lo:
-                break
-            if first > lo:
-                n = steps
-            else:  # only the step ends after lo count: they are ``interval`` apart from ``first``
-                n = steps - 1 - math.floor((lo - first) / interval)
-                n = min(max(n, 0), steps)
-            if n:
-                samples.append((interval, n * sequences))
-        return _nearest_rank(samples, 0.95)
+        return self._latencies_to(now, window).itl_p95(now - window)
 
-    def _window_start(self, now: float, window: float) -> float:
-        if not self._keep_latencies:
+    def _latencies_to(self, now: float, window: float) -> LatencyRecord:
+        """The latency record, brought up to ``now``, once ``window`` is known to be one it covers."""
+        if self._latencies is None:
             raise RuntimeError("this engine keeps no latency record: make it with keep_latencies=True")
         if not 0 < window <= LATENCY_HISTORY_S:
             raise ValueError(f"window must be in (0, {LATENCY_HISTORY_S:g}] seconds, got {window!r}")
         self._catch_up(now, inclusive=False)
-        return now - window
-
-    def _record_ttft(self, at: float, ttft: float) -> None:
-        if not self._keep_latencies:
-            return
-        records = self._ttfts
-        while records and records[0][0] < at - LATENCY_HISTORY_S:
-            records.popleft()
-        records.append((at, ttft))
+        return self._latencies
 
     def _record_itl(self, first: float, interval: float, steps: int, sequences: int) -> None:
         """``sequences`` tokens after a first were made at each of ``steps`` step ends from ``first``."""
         if steps <= 0 or sequences <= 0:
             return
-        if self._keep_latencies:
-            last = first + interval * (steps - 1)
-            records = self._itls
-            while records and records[0][1] < last - LATENCY_HISTORY_S:
-                records.popleft()
-            records.append((first, last, interval, steps, sequences))
+        if self._latencies is not None:
+            self._latencies.add_itl(first, interval, steps, sequences)
         if self.on_interval is not None:
             self.on_interval(interval, steps * sequences)
 
-    # -- the model ---------------------------------------------------------------------------------
+    # -- the step loop -----------------------------------------------------------------------------
 
     def _catch_up(self, now: float, inclusive: bool) -> None:
         if now < self._clock:
             raise ValueError(f"time went backwards: {now} < {self._clock}")
         self._clock = now
+        batch = self._batch
         while True:
             if self._decide_at is not None:
                 if now < self._decide_at or (now == self._decide_at and not inclusive):
@@ -425,8 +366,8 @@ class Engine:
             run_end = self._run_end()
             step_start = self._run_start + self._run_done * self._step_len
             if now >= run_end:
-                self._record_itl(step_start + self._step_len, self._step_len, self._run_left, self._decoding)
-                self._steps += self._run_left
+                self._record_itl(step_start + self._step_len, self._step_len, self._run_left, batch.decoding)
+                batch.steps += self._run_left
                 self._end_run(run_end)
                 self._busy = False
                 self._decide_at = run_end
@@ -434,8 +375,8 @@ class Engine:
             done = int((now - step_start) // self._step_len)
             if done > 0:  # identical decode steps inside the run: skip them all at once
                 done = min(done, self._run_left - 1)
-                self._record_itl(step_start + self._step_len, self._step_len, done, self._decoding)
-                self._steps += done
+                self._record_itl(step_start + self._step_len, self._step_len, done, batch.decoding)
+                batch.steps += done
                 self._run_done += done
                 self._run_left -= done
             return
@@ -443,39 +384,8 @@ class Engine:
     def _run_end(self) -> float:
         return self._run_start + (self._run_done + self._run_left) * self._step_len
 
-    def _generated(self, seq: _Seq) -> int:
-        return seq.generated + (self._steps - seq.since_step if seq.decoding else 0)
-
-    def _step_seconds(self, batch: int) -> float:
-        cost = self._step_cache.get(batch)
-        if cost is None:
-            # Losing part of the GPU slows every step by 1/F (in _scale).
-            cost = self.profile.step_seconds(batch) * self._scale
-            self._step_cache[batch] = cost
-        return cost
-
-    def _reserve(self, seq: _Seq, decoding: bool) -> None:
-        """Account ``seq`` as running; a decoding sequence's tokens from now on grow with the step count."""
-        seq.decoding = decoding
-        seq.since_step = self._steps
-        seq.kv_base = seq.prompt + seq.generated - (self._steps if decoding else 0)
-        self._kv_fixed += seq.kv_base
-        if decoding:
-            self._decoding += 1
-            heapq.heappush(self._finishes, (self._steps + seq.output - seq.generated, seq.uid))
-
-    def _release(self, seq: _Seq) -> None:
-        """Take ``seq`` out of the batch, freeing its slot and KV; freezes its token count."""
-        seq.generated = self._generated(seq)
-        self._kv_fixed -= seq.kv_base
-        if seq.decoding:
-            self._decoding -= 1
-        seq.decoding = False
-        del self._running[seq.uid]
-        self._prefilling.pop(seq.uid, None)
-
-    def _finish(self, seq: _Seq, now: float) -> None:
-        self._release(seq)
+    def _finish(self, seq: Seq, now: float) -> None:
+        self._batch.release(seq)
         del self._by_id[seq.req_id]
         assert seq.first_token_at is not None
         assert seq.scheduled_at is not None
@@ -486,93 +396,40 @@ class Engine:
 
     def _end_run(self, now: float) -> None:
         """The last step of the run ended at ``now``: prefills that completed emit a token; finishes."""
+        batch = self._batch
         chunks, self._chunks = self._chunks, []
         for seq, n in chunks:
-            if seq.uid not in self._running:  # cancelled during the step
+            if seq.uid not in batch.running:  # cancelled during the step
                 continue
             seq.prefill_left -= n
             if seq.prefill_left > 0:
                 continue
-            del self._prefilling[seq.uid]
-            self._kv_fixed -= seq.kv_base  # trade the prefill reservation for a decoding one
-            seq.kv_base = 0
-            seq.generated += 1
+            batch.complete_prefill(seq)
             if seq.first_token_at is None:
                 seq.first_token_at = now
                 assert seq.scheduled_at is not None
                 self._pending.append(
                     FirstToken(seq.req_id, now, now - seq.arrival, seq.scheduled_at - seq.arrival)
                 )
-                self._record_ttft(now, now - seq.arrival)
+                if self._latencies is not None:
+                    self._latencies.add_ttft(now, now - seq.arrival)
             elif seq.last_token_at is not None:  # recomputed after a preemption: one long interval
                 self._record_itl(now, now - seq.last_token_at, 1, 1)
             seq.last_token_at = now
             if seq.generated >= seq.output:
                 self._finish(seq, now)
             else:
-                self._reserve(seq, decoding=True)
-        while self._finishes and self._finishes[0][0] <= self._steps:
-            at, uid = heapq.heappop(self._finishes)
-            live = self._live(at, uid)
-            if live is not None:
-                self._finish(live, now)
-
-    def _live(self, at: int, uid: int) -> _Seq | None:
-        """The sequence a finish-heap entry is for, or None if the entry is stale (cancel, preemption)."""
-        seq = self._running.get(uid)
-        if seq is None or not seq.decoding or seq.since_step + seq.output - seq.generated != at:
-            return None
-        return seq
-
-    def _plan_prefill(self) -> tuple[list[tuple[_Seq, int]], int, int]:
-        """Give the step's token budget to sequences already prefilling, oldest first."""
-        budget = self.profile.max_batched_tokens - self._decoding
-        chunks: list[tuple[_Seq, int]] = []
-        completing = 0
-        for seq in self._prefilling.values():
-            if budget <= 0:
-                break
-            n = min(seq.prefill_left, budget)
-            chunks.append((seq, n))
-            budget -= n
-            completing += n == seq.prefill_left
-        return chunks, budget, completing
+                batch.reserve(seq, decoding=True)
+        for live in batch.due():
+            self._finish(live, now)
 
     def _schedule(self, now: float) -> None:
         """Plan the next step (or run of identical steps) starting at ``now``."""
-        capacity = self._kv_capacity
-        while True:
-            chunks, budget, completing = self._plan_prefill()
-            growth = self._decoding + completing  # tokens this step adds to the cache
-            fits = self.kv_tokens + growth <= capacity and len(self._running) <= self._max_running
-            if fits or not self._running:
-                break
-            victim = self._running[next(reversed(self._running))]
-            if victim.decoding:  # its latest token was made at the end of the step that just ended
-                victim.last_token_at = now
-            self._release(victim)
-            victim.preemptions += 1
-            self.preemptions += 1
-            self._waiting.appendleft(victim)
-        while self._waiting and budget > 0 and len(self._running) < self._max_running:
-            seq = self._waiting[0]
-            context = seq.prompt + seq.generated
-            if self.kv_tokens + growth + context + self.profile.block_size > capacity:
-                break  # FIFO: the head waits for room, and everyone behind it waits too
-            self._waiting.popleft()
-            self._running[seq.uid] = seq
-            self._prefilling[seq.uid] = seq
-            seq.prefill_left = context
-            self._reserve(seq, decoding=False)
-            if seq.scheduled_at is None:
-                seq.scheduled_at = now
-            n = min(context, budget)
-            chunks.append((seq, n))
-            budget -= n
-            growth += n == context
-
-        batch = self._decoding + len(chunks)
-        if batch == 0:
+        batch = self._batch
+        chunks, budget, growth = self._preempt_to_fit(now)
+        self._admit_waiting(now, chunks, budget, growth)
+        size = batch.decoding + len(chunks)
+        if size == 0:
             self._busy = False
             return
         prefilled = sum(n for _, n in chunks)
@@ -580,26 +437,48 @@ class Engine:
         self._chunks = chunks
         self._run_start = now
         self._run_done = 0
-        self._step_len = self._step_seconds(batch) + prefilled * self._prefill_cost
+        self._step_len = self._capacity.step_seconds(size) + prefilled * self._capacity.prefill_cost
         if chunks:
             self._run_left = 1
             return
-        while self._live(*self._finishes[0]) is None:  # drop stale heads
-            heapq.heappop(self._finishes)
-        to_finish = self._finishes[0][0] - self._steps
-        room = (capacity - self.kv_tokens) // self._decoding
+        to_finish = batch.steps_to_next_finish()
+        room = (self._capacity.kv_tokens - batch.kv_tokens) // batch.decoding
         self._run_left = max(1, min(to_finish, room))
 
+    def _preempt_to_fit(self, now: float) -> tuple[list[tuple[Seq, int]], int, int]:
+        """Preempt the newest sequences until the step's growth fits the KV cache and the slot cap.
 
-def _nearest_rank(samples: list[tuple[float, int]], q: float) -> float | None:
-    """The smallest value with at least ``q`` of the (value, weight) samples at or below it."""
-    total = sum(weight for _, weight in samples)
-    if total == 0:
-        return None
-    rank = max(1, math.ceil(q * total - _EPS))
-    seen = 0
-    for value, weight in sorted(samples):
-        seen += weight
-        if seen >= rank:
-            return value
-    return samples[-1][0]  # pragma: no cover - unreachable: the weights add up to total
+        Returns the step's prefill chunks so far, the token budget left and the tokens the step adds.
+        """
+        batch, capacity = self._batch, self._capacity
+        while True:
+            chunks, budget, completing = batch.plan_prefill(self.profile.max_batched_tokens)
+            growth = batch.decoding + completing  # tokens this step adds to the cache
+            fits = (batch.kv_tokens + growth <= capacity.kv_tokens
+                    and len(batch.running) <= capacity.max_running)
+            if fits or not batch.running:
+                return chunks, budget, growth
+            victim = batch.newest()
+            if victim.decoding:  # its latest token was made at the end of the step that just ended
+                victim.last_token_at = now
+            batch.release(victim)
+            victim.preemptions += 1
+            self.preemptions += 1
+            self._waiting.appendleft(victim)
+
+    def _admit_waiting(self, now: float, chunks: list[tuple[Seq, int]], budget: int, growth: int) -> None:
+        """Admit waiting requests in FIFO order while a slot, budget and KV room last (onto ``chunks``)."""
+        batch, capacity = self._batch, self._capacity
+        while self._waiting and budget > 0 and len(batch.running) < capacity.max_running:
+            seq = self._waiting[0]
+            context = seq.prompt + seq.generated
+            if batch.kv_tokens + growth + context + self.profile.block_size > capacity.kv_tokens:
+                break  # FIFO: the head waits for room, and everyone behind it waits too
+            self._waiting.popleft()
+            batch.admit(seq, context)
+            if seq.scheduled_at is None:
+                seq.scheduled_at = now
+            n = min(context, budget)
+            chunks.append((seq, n))
+            budget -= n
+            growth += n == context
