@@ -97,6 +97,7 @@ class Intake:
         self.estimator = estimator or Estimator(policy.estimation)
         self._trusted = frozenset(policy.trusted_headers)
         self._model_header = policy.estimation.model_header
+        self._needs_body = policy.needs_body
         # Recognised whether or not the retry budget is on: a retry may claim its booked return.
         self._retry_header: str | None = policy.retry_budget.header
         #: The headers an arrival descriptor carries (the policy's trusted ones and the retry header),
@@ -105,6 +106,13 @@ class Intake:
         if self._retry_header:
             named = (*named, self._retry_header)
         self.edge_headers = tuple(dict.fromkeys(named))
+
+    def descriptor(self, method: str, path: str, headers: Mapping[str, str]) -> dict[str, str]:
+        """The arrival descriptor's entries the proxy's ratelimit filter sends for a request (besides
+        ``generic_key``): its method and path, and the headers the policy reads (``edge_headers``)."""
+        out = {"method": method, "path": path}
+        out.update((name, headers[name]) for name in self.edge_headers if name in headers)
+        return out
 
     def trusted(self, name: str) -> bool:
         return name in self._trusted
@@ -120,7 +128,7 @@ class Intake:
         twice = next((k for k in repeated if k in self._trusted), None)
         model = (headers.get(self._model_header) or None) if self._model_header else None
         return Head(method, path, headers, stripped, model, headers.get("x-request-id", ""),
-                    self.policy.needs_body and has_body, twice)
+                    self._needs_body and has_body, twice)
 
     def read(self, head: Head, chunk: bytes, end_of_stream: bool) -> BodyFacts:
         """What the first body chunk says, read within the policy's ``max_body_bytes``."""

@@ -432,17 +432,27 @@ class Policy(_Strict):
     def needs_body(self) -> bool:
         """Whether requests' JSON bodies should be read (model, max_tokens, prompt size).
 
-        In auto mode the body is read when something uses what it says: shortest-job-first
-        ordering, per-model costs, rules that match on the model, or token budgets (a streamed
-        request is asked for its usage).
+        In auto mode the body is read when something uses what it says (``body_uses``).
         """
         mode = self.estimation.read_body
         if mode != "auto":
             return mode == "always"
-        return (
-            self.queueing.sjf_weight > 0
-            or any(lane.sjf_weight for lane in self.lanes)
-            or bool(self.estimation.models)
-            or any(rule.match.models for rule in self.classification.rules)
-            or self.ratelimit.asks_usage
-        )
+        return bool(self.body_uses)
+
+    @property
+    def body_uses(self) -> list[str]:
+        """What uses what a request's body says, in words: shortest-job-first ordering, per-model
+        costs, rules that match on the model, token budgets (a streamed request is asked for its
+        usage). In auto mode the body is read when this is not empty (``needs_body``)."""
+        uses = []
+        if self.queueing.sjf_weight > 0:
+            uses.append(f"queueing.sjf_weight {self.queueing.sjf_weight:g} orders queues by size")
+        uses += [f"lane {lane.name} has sjf_weight {lane.sjf_weight:g}"
+                 for lane in self.lanes if lane.sjf_weight]
+        if self.estimation.models:
+            uses.append("estimation.models has per-model costs")
+        uses += [f"rule {rule.name or f'rules[{i}]'} matches on models"
+                 for i, rule in enumerate(self.classification.rules) if rule.match.models]
+        if self.ratelimit.asks_usage:
+            uses.append("token budgets: a streamed request is asked for its usage (ratelimit.ask_usage)")
+        return uses

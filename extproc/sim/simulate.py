@@ -41,12 +41,13 @@ from pathlib import Path
 from typing import Any
 
 from extproc.core.body import BodyFacts
-from extproc.core.decision import Decision, Outcome, Reason, Ticket, reject
+from extproc.core.decision import Decision, Reason, Ticket, reject
 from extproc.core.machine import Machine
 from extproc.core.saturation import Reading
 from extproc.core.usage import FILTER_HEADER, USAGE, admission_metadata, charged, plan
 from extproc.policy.schema import Policy
 from extproc.sim import traces
+from extproc.sim.driver import Driver, Offer
 from extproc.sim.engine import Engine, Finished, FirstToken, RequestRejected, capacity_schedule_arg
 from extproc.sim.profiles import Profile, get_profile
 from extproc.sim.report import Result, Slo, Summary, grouped, side_by_side, summarise
@@ -189,236 +190,275 @@ class Simulator:
         loaded whole): they must come in arrival order, with increasing indices. A request's state is
         dropped once it has its result.
         """
-        rng = random.Random(self.seed)
-        engine = Engine(self.profile, self.time_scale, keep_latencies=True)
-        clock = [0.0]
-        machine = Machine(policy, random.Random(self.seed), edge_rng=random.Random(self.seed + 1)) \
-            if policy is not None else None
-        signals = engine_signals(policy) if policy is not None else {}
-        poll = min((s.interval for s in policy.signals.sources.values()), default=math.inf) \
+        return _Run(self, requests, policy, mode).run()
+
+
+def _soonest(*times: float | None) -> float:
+    return min((t for t in times if t is not None), default=math.inf)
+
+
+class _Run:
+    """One simulated run: the event loop's state, and what each kind of event does.
+
+    The decisions are the machine's, driven by the shared virtual-clock driver (``sim/driver.py``:
+    the edge, the intake, the machine, its timers); this class is the listener that turns them into
+    what simulated clients and the engine do.
+    """
+
+    def __init__(self, sim: Simulator, requests: Iterable[Request], policy: Policy | None, mode: str) -> None:
+        self.sim = sim
+        self.policy = policy
+        self.mode = mode
+        self.rng = random.Random(sim.seed)
+        self.engine = Engine(sim.profile, sim.time_scale, keep_latencies=True)
+        self.clock = 0.0
+        self.driver = Driver(Machine(policy, random.Random(sim.seed), edge_rng=random.Random(sim.seed + 1)),
+                             self) if policy is not None else None
+        self.signals = engine_signals(policy) if policy is not None else {}
+        self.poll = min((s.interval for s in policy.signals.sources.values()), default=math.inf) \
             if policy is not None and policy.signals.read else math.inf
-        next_poll = 0.0 if math.isfinite(poll) else math.inf
-        windows = {name: _window(policy, name) for name in signals} if policy is not None else {}
-        changes = list(self.capacity_schedule)
-        timeline: list[tuple[float, int, int, int]] = []
-        source = iter(requests)
-        upcoming = next(source, None)
-        arrived = 0
-        last_at, last_index = -math.inf, -1
-        states: dict[int, _State] = {}
-        results: list[Result] = []
-        by_ticket: dict[int, _State] = {}
-        served: dict[str, dict[str, float]] = {}
-        heap: list[tuple[float, int, int, int]] = []
+        self.next_poll = 0.0 if math.isfinite(self.poll) else math.inf
+        self.windows = {name: _window(policy, name) for name in self.signals} if policy is not None else {}
+        self.changes = list(sim.capacity_schedule)
+        self.timeline: list[tuple[float, int, int, int]] = []
+        self.source = iter(requests)
+        self.upcoming = next(self.source, None)
+        self.arrived = 0
+        self.last = (-math.inf, -1)
+        self.states: dict[int, _State] = {}
+        self.results: list[Result] = []
+        self.by_ticket: dict[int, _State] = {}
+        self.served: dict[str, dict[str, float]] = {}
+        self.heap: list[tuple[float, int, int, int]] = []
         # A request's own arrival and timeout order before anything pushed later at the same time.
-        seq = _LATER
-        events = 0
-        peak = 0
+        self.seq = _LATER
+        self.events = 0
+        self.peak = 0
 
-        def finish(st: _State, status: int, now: float | None, reason: str = "") -> None:
-            r = st.request
-            ok = 200 <= status < 300 and now is not None
-            st.result = Result(
-                r.index, r.cls, st.tenant or r.tenant, r.at, status,
-                (st.first_token - r.at) if ok and st.first_token is not None else None,
-                (now - r.at) if ok and now is not None else None,
-                st.attempts, r.output_tokens, reason, st.queue_wait if ok else None,
-            )
-            results.append(st.result)
-            states.pop(r.index, None)
+    # -- the machine's decisions (the driver's listener) ------------------------------------------
 
-        def to_engine(st: _State, now: float) -> None:
-            try:
-                engine.add(str(st.request.index), st.request.prompt_tokens, st.request.output_tokens, now)
-                st.in_engine = True
-            except RequestRejected:
-                finish(st, 400, None, "too_long")
-                if machine is not None and st.ticket is not None:
-                    by_ticket.pop(st.ticket.id, None)
-                    settle(machine.release(st.ticket, now, learn=False), now)
+    def admitted(self, d: Decision, now: float) -> None:
+        st = self.by_ticket.get(d.ticket.id)
+        if st is None or st.result is not None:
+            return
+        st.queue_wait = d.ticket.queue_wait
+        lane = self.served.setdefault(d.ticket.lane, {})
+        lane[d.ticket.tenant] = lane.get(d.ticket.tenant, 0.0) + d.ticket.predicted
+        self.to_engine(st, now)
 
-        def refused(st: _State, status: int, headers: dict[str, str], reason: str, now: float) -> None:
-            """A refusal as the client reads it: retry after a while, or give up."""
-            nonlocal seq
-            delay = retry_delay(self.client, st.attempts, status, headers, rng)
-            if delay is None:
-                finish(st, status, None, reason)
-            else:
-                heapq.heappush(heap, (now + delay, seq, _ARRIVE, st.request.index))
-                seq += 1
+    def rejected(self, d: Decision, now: float) -> None:
+        st = self.by_ticket.get(d.ticket.id)
+        if st is None or st.result is not None:
+            return
+        self.by_ticket.pop(d.ticket.id, None)
+        st.ticket = None
+        reason = d.reason or Reason.QUEUE_FULL
+        rejection = reject(reason, d.ticket.lane, d.retry_after, retry_allowed=d.retry_allowed,
+                           retry_after_ms=d.retry_after_ms)
+        self.refused(st, rejection.status, dict(rejection.headers), reason.value, now)
 
-        def settle(decisions: Iterable[Decision], now: float) -> None:
-            assert machine is not None
-            for d in decisions:
-                st = by_ticket.get(d.ticket.id)
-                if st is None or st.result is not None:
-                    continue
-                if d.outcome is Outcome.ADMITTED:
-                    machine.admitted(d)
-                    st.queue_wait = d.ticket.queue_wait
-                    lane = served.setdefault(d.ticket.lane, {})
-                    lane[d.ticket.tenant] = lane.get(d.ticket.tenant, 0.0) + d.ticket.predicted
-                    to_engine(st, now)
-                elif d.outcome is Outcome.REJECTED:
-                    by_ticket.pop(d.ticket.id, None)
-                    st.ticket = None
-                    reason = d.reason or Reason.QUEUE_FULL
-                    rejection = reject(reason, d.ticket.lane, d.retry_after, retry_allowed=d.retry_allowed,
-                                       retry_after_ms=d.retry_after_ms)
-                    refused(st, rejection.status, dict(rejection.headers), reason.value, now)
+    # -- a request's life ---------------------------------------------------------------------
 
-        def arrive(st: _State, now: float) -> None:
-            assert machine is not None
-            assert policy is not None
-            r = st.request
-            headers = {k.lower(): v for k, v in r.headers.items()}
-            headers.update((k.lower(), v) for k, v in r.gateway.items())
-            headers["x-stainless-retry-count"] = str(st.attempts - 1)
-            config = policy.ratelimit
-            if config.mode != "off":
-                entries = {"generic_key": config.request_descriptor, "method": "POST", "path": r.path,
-                           **{k: v for k, v in headers.items()
-                              if k in policy.trusted_headers or k == policy.retry_budget.header}}
-                judgement = machine.judge(config, entries, 1, now)
-                if judgement.over and not judgement.shadow:
-                    shed = machine.shed([judgement], now)
-                    st.lane, st.tenant = judgement.lane, judgement.tenant
-                    reason = judgement.reason.value if judgement.reason else ""
-                    refused(st, shed.rejection.status, dict(shed.rejection.headers), reason, now)
-                    return
-            head = machine.intake.head("POST", r.path, headers)
-            arrival = machine.intake.sized(head, model=r.model, prompt_tokens=r.prompt_tokens,
-                                   output_tokens=r.output_tokens)
-            st.lane, st.tenant = arrival.lane, arrival.tenant
-            submitted = machine.submit(arrival.lane, arrival.tenant, arrival.job, now, retry=arrival.retry)
-            by_ticket[submitted.decision.ticket.id] = st
-            st.ticket = submitted.decision.ticket
-            settle([submitted.decision, *submitted.evicted], now)
+    def finish(self, st: _State, status: int, now: float | None, reason: str = "") -> None:
+        r = st.request
+        ok = 200 <= status < 300 and now is not None
+        st.result = Result(
+            r.index, r.cls, st.tenant or r.tenant, r.at, status,
+            (st.first_token - r.at) if ok and st.first_token is not None else None,
+            (now - r.at) if ok and now is not None else None,
+            st.attempts, r.output_tokens, reason, st.queue_wait if ok else None,
+        )
+        self.results.append(st.result)
+        self.states.pop(r.index, None)
 
-        def usage(st: _State, now: float, finished: bool) -> None:
-            # As live: a finished request is charged the usage the backend reported (the simulated
-            # backend reports it like vLLM, in the body, and in a stream that asked for it, as ext_proc
-            # makes every stream ask); one cut short, the estimate from its admission (core/usage.py).
-            assert policy is not None
-            assert machine is not None
-            config = policy.ratelimit
-            ticket = st.ticket
-            if ticket is None or ticket.admitted_at is None:
-                return
-            request = st.request
-            # Behind the shipped proxy, which says it strips the event ext_proc asks for.
-            facts = BodyFacts(stream=request.stream, usage_asked=request.include_usage)
-            how = plan(config, ticket.tenant, request.path, {FILTER_HEADER: "1"}, facts)
-            if not how.record:
-                return
-            headers = {**request.headers, **request.gateway}
-            entries = {"generic_key": config.usage_descriptor,
-                       **{k.lower(): v for k, v in headers.items() if k.lower() in policy.trusted_headers}}
-            if finished and (not request.stream or request.include_usage or how.ask):
-                said = {USAGE: str(request.prompt_tokens + request.output_tokens)}
-            else:
-                job = ticket.job
-                said = admission_metadata(job.prompt_tokens, job.output_tokens, request.output_tokens,
-                                          ticket.predicted, ticket.admitted_at, strip=False)
-            charge = charged(said, now)
-            if charge.tokens > 0:
-                machine.charge(config, entries, charge.tokens, now)
+    def to_engine(self, st: _State, now: float) -> None:
+        try:
+            self.engine.add(str(st.request.index), st.request.prompt_tokens, st.request.output_tokens, now)
+            st.in_engine = True
+        except RequestRejected:
+            self.finish(st, 400, None, "too_long")
+            if self.driver is not None and st.ticket is not None:
+                self.by_ticket.pop(st.ticket.id, None)
+                self.driver.release(st.ticket, now, learn=False)
 
+    def refused(self, st: _State, status: int, headers: dict[str, str], reason: str, now: float) -> None:
+        """A refusal as the client reads it: retry after a while, or give up."""
+        delay = retry_delay(self.sim.client, st.attempts, status, headers, self.rng)
+        if delay is None:
+            self.finish(st, status, None, reason)
+        else:
+            heapq.heappush(self.heap, (now + delay, self.seq, _ARRIVE, st.request.index))
+            self.seq += 1
+
+    def arrive(self, st: _State, now: float) -> None:
+        driver = self.driver
+        assert driver is not None
+        r = st.request
+        headers = {k.lower(): v for k, v in r.headers.items()}
+        headers.update((k.lower(), v) for k, v in r.gateway.items())
+        headers["x-stainless-retry-count"] = str(st.attempts - 1)
+        offer = Offer("POST", r.path, headers, sized=True, model=r.model, prompt_tokens=r.prompt_tokens,
+                      output_tokens=r.output_tokens)
+
+        def decided(ticket: Ticket) -> None:
+            self.by_ticket[ticket.id] = st
+            st.ticket = ticket
+
+        answer = driver.offer(offer, now, decided=decided)
+        st.lane, st.tenant = answer.lane, answer.tenant
+        if answer.shed is not None and answer.judgement is not None:
+            reason = answer.judgement.reason
+            rejection = answer.shed.rejection
+            self.refused(st, rejection.status, dict(rejection.headers), reason.value if reason else "", now)
+
+    def usage(self, st: _State, now: float, finished: bool) -> None:
+        # As live: a finished request is charged the usage the backend reported (the simulated
+        # backend reports it like vLLM, in the body, and in a stream that asked for it, as ext_proc
+        # makes every stream ask); one cut short, the estimate from its admission (core/usage.py).
+        policy, driver = self.policy, self.driver
+        assert policy is not None
+        assert driver is not None
+        config = policy.ratelimit
+        ticket = st.ticket
+        if ticket is None or ticket.admitted_at is None:
+            return
+        request = st.request
+        # Behind the shipped proxy, which says it strips the event ext_proc asks for.
+        facts = BodyFacts(stream=request.stream, usage_asked=request.include_usage)
+        how = plan(config, ticket.tenant, request.path, {FILTER_HEADER: "1"}, facts)
+        if not how.record:
+            return
+        headers = {**request.headers, **request.gateway}
+        entries = {"generic_key": config.usage_descriptor,
+                   **{k.lower(): v for k, v in headers.items() if k.lower() in policy.trusted_headers}}
+        if finished and (not request.stream or request.include_usage or how.ask):
+            said = {USAGE: str(request.prompt_tokens + request.output_tokens)}
+        else:
+            job = ticket.job
+            said = admission_metadata(job.prompt_tokens, job.output_tokens, request.output_tokens,
+                                      ticket.predicted, ticket.admitted_at, strip=False)
+        charge = charged(said, now)
+        if charge.tokens > 0:
+            driver.machine.charge(config, entries, charge.tokens, now)
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def run(self) -> Run:
+        engine, driver = self.engine, self.driver
         while True:
-            t_heap = min(heap[0][0] if heap else math.inf, math.inf if upcoming is None else upcoming.at)
-            t_engine = engine.next_event_time()
-            t_sched = machine.next_timer() if machine is not None else None
-            now = min(t_heap, math.inf if t_engine is None else t_engine,
-                      math.inf if t_sched is None else t_sched)
+            upcoming = self.upcoming
+            t_sched = driver.machine.next_timer() if driver is not None else None
+            now = _soonest(self.heap[0][0] if self.heap else None,
+                           upcoming.at if upcoming is not None else None, engine.next_event_time(), t_sched)
             if now == math.inf:
                 break
-            if changes and changes[0][0] <= now:
-                at, fraction = changes.pop(0)
-                now = max(at, clock[0])
+            if self.changes and self.changes[0][0] <= now:
+                at, fraction = self.changes.pop(0)
+                now = max(at, self.clock)
                 engine.set_capacity(fraction, now)
-                clock[0] = now
+                self.clock = now
                 continue
-            if next_poll <= now:
+            if self.next_poll <= now:
                 # Signals are read on their sources' interval, while anything is still going on.
-                now = next_poll
-                next_poll += poll
-                assert machine is not None
-                values: dict[str, float | None] = {"kv": engine.kv_usage, "waiting": float(engine.waiting),
-                                                   "running": float(engine.running)}
-                readings = {}
-                for name, quantity in signals.items():
-                    value = values.get(quantity)
-                    if quantity == "ttft":
-                        value = engine.recent_ttft_p95(now, windows[name])
-                    elif quantity == "itl":
-                        value = engine.recent_itl_p95(now, windows[name])
-                    if value is not None:  # no observation in the window: nothing read
-                        readings[name] = Reading(value, now)
-                decisions = machine.on_signals(readings, now).decisions
-                timeline.append((now, machine.policy.total_capacity, engine.waiting, engine.running))
-                clock[0] = now
-                settle(decisions, now)
-            clock[0] = now
-            while upcoming is not None and upcoming.at <= now:
-                r = upcoming
-                if r.at < last_at or r.index <= last_index:
-                    raise ValueError(f"requests must come in arrival order with increasing indices: request "
-                                     f"{r.index} at {r.at:g}s after {last_index} at {last_at:g}s")
-                last_at, last_index = r.at, r.index
-                states[r.index] = _State(r)
-                heapq.heappush(heap, (r.at, 2 * arrived, _ARRIVE, r.index))
-                heapq.heappush(heap, (r.at + self.client.timeout, 2 * arrived + 1, _TIMEOUT, r.index))
-                arrived += 1
-                upcoming = next(source, None)
-            while heap and heap[0][0] <= now:
-                _, _, kind, index = heapq.heappop(heap)
-                found = states.get(index)
-                if found is None or found.result is not None:
-                    continue
-                st = found
-                events += 1
-                if kind == _TIMEOUT:
-                    if st.in_engine:
-                        engine.cancel(str(index), now)
-                    finish(st, -1, None, "timeout")
-                    if machine is not None and st.ticket is not None:
-                        by_ticket.pop(st.ticket.id, None)
-                        usage(st, now, finished=False)
-                        settle(machine.release(st.ticket, now, learn=False), now)
-                    continue
-                st.attempts += 1
-                if machine is None:
-                    to_engine(st, now)
-                    continue
-                arrive(st, now)
-            if machine is not None and t_sched is not None and t_sched <= now:
-                events += 1
-                settle(machine.expire(now), now)
-            events_now = engine.advance(now)
-            peak = max(peak, engine.running)
-            for event in events_now:
-                events += 1
-                st = states[int(event.req_id)]  # in the engine: no result yet
-                if isinstance(event, FirstToken):
-                    st.first_token = event.time
-                elif isinstance(event, Finished):
-                    st.in_engine = False
-                    if machine is None:
-                        # Without admission control the only queue is the engine's own.
-                        st.queue_wait = event.queue_time
-                    if st.first_token is None:
-                        st.first_token = event.time - (event.e2e - event.ttft)
-                    finish(st, 200, event.time)
-                    if machine is not None and st.ticket is not None:
-                        by_ticket.pop(st.ticket.id, None)
-                        clock[0] = event.time
-                        usage(st, event.time, finished=True)
-                        settle(machine.release(st.ticket, event.time), event.time)
-        results.extend(Result(st.request.index, st.request.cls, st.request.tenant, st.request.at, -1, None,
-                              None, st.attempts, st.request.output_tokens, "unfinished")
-                       for st in states.values())
-        results.sort(key=lambda result: result.index)
-        return Run(mode, results, served, events, peak, sorted(signals), timeline)
+                now = self.next_poll
+                self.next_poll += self.poll
+                self.read_signals(now)
+            self.clock = now
+            self.take_arrivals(now)
+            self.client_events(now)
+            if driver is not None and t_sched is not None and t_sched <= now:
+                self.events += 1
+                driver.expire(now)
+            self.engine_events(now)
+        self.results.extend(Result(st.request.index, st.request.cls, st.request.tenant, st.request.at, -1,
+                                   None, None, st.attempts, st.request.output_tokens, "unfinished")
+                            for st in self.states.values())
+        self.results.sort(key=lambda result: result.index)
+        return Run(self.mode, self.results, self.served, self.events, self.peak, sorted(self.signals),
+                   self.timeline)
+
+    def read_signals(self, now: float) -> None:
+        driver, engine = self.driver, self.engine
+        assert driver is not None
+        values: dict[str, float | None] = {"kv": engine.kv_usage, "waiting": float(engine.waiting),
+                                           "running": float(engine.running)}
+        readings = {}
+        for name, quantity in self.signals.items():
+            value = values.get(quantity)
+            if quantity == "ttft":
+                value = engine.recent_ttft_p95(now, self.windows[name])
+            elif quantity == "itl":
+                value = engine.recent_itl_p95(now, self.windows[name])
+            if value is not None:  # no observation in the window: nothing read
+                readings[name] = Reading(value, now)
+        decisions = driver.machine.on_signals(readings, now).decisions
+        self.timeline.append((now, driver.machine.policy.total_capacity, engine.waiting, engine.running))
+        self.clock = now
+        driver.settle(decisions, now)
+
+    def take_arrivals(self, now: float) -> None:
+        """Requests due by ``now`` join the event heap (with their client's timeout)."""
+        timeout = self.sim.client.timeout
+        while self.upcoming is not None and self.upcoming.at <= now:
+            r = self.upcoming
+            last_at, last_index = self.last
+            if r.at < last_at or r.index <= last_index:
+                raise ValueError(f"requests must come in arrival order with increasing indices: request "
+                                 f"{r.index} at {r.at:g}s after {last_index} at {last_at:g}s")
+            self.last = (r.at, r.index)
+            self.states[r.index] = _State(r)
+            heapq.heappush(self.heap, (r.at, 2 * self.arrived, _ARRIVE, r.index))
+            heapq.heappush(self.heap, (r.at + timeout, 2 * self.arrived + 1, _TIMEOUT, r.index))
+            self.arrived += 1
+            self.upcoming = next(self.source, None)
+
+    def client_events(self, now: float) -> None:
+        """Attempts (first ones and retries) and clients giving up, due by ``now``."""
+        heap, driver = self.heap, self.driver
+        while heap and heap[0][0] <= now:
+            _, _, kind, index = heapq.heappop(heap)
+            found = self.states.get(index)
+            if found is None or found.result is not None:
+                continue
+            st = found
+            self.events += 1
+            if kind == _TIMEOUT:
+                if st.in_engine:
+                    self.engine.cancel(str(index), now)
+                self.finish(st, -1, None, "timeout")
+                if driver is not None and st.ticket is not None:
+                    self.by_ticket.pop(st.ticket.id, None)
+                    self.usage(st, now, finished=False)
+                    driver.release(st.ticket, now, learn=False)
+                continue
+            st.attempts += 1
+            if driver is None:
+                self.to_engine(st, now)
+                continue
+            self.arrive(st, now)
+
+    def engine_events(self, now: float) -> None:
+        engine, driver = self.engine, self.driver
+        events_now = engine.advance(now)
+        self.peak = max(self.peak, engine.running)
+        for event in events_now:
+            self.events += 1
+            st = self.states[int(event.req_id)]  # in the engine: no result yet
+            if isinstance(event, FirstToken):
+                st.first_token = event.time
+            elif isinstance(event, Finished):
+                st.in_engine = False
+                if driver is None:
+                    # Without admission control the only queue is the engine's own.
+                    st.queue_wait = event.queue_time
+                if st.first_token is None:
+                    st.first_token = event.time - (event.e2e - event.ttft)
+                self.finish(st, 200, event.time)
+                if driver is not None and st.ticket is not None:
+                    self.by_ticket.pop(st.ticket.id, None)
+                    self.clock = event.time
+                    self.usage(st, event.time, finished=True)
+                    driver.release(st.ticket, event.time)
 
 
 def tenant_shares(run: Run, policy: Policy) -> dict[str, dict[str, tuple[float, float]]]:

@@ -17,18 +17,17 @@ Each attempt's outcome is compared in three classes — admitted at once, held t
 
 from __future__ import annotations
 
-import heapq
 import json
-import math
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from extproc.core.decision import Decision, Outcome, Ticket
+from extproc.core.decision import Decision
 from extproc.core.machine import Machine
 from extproc.policy.schema import Policy
+from extproc.sim.driver import Driver, Offer
 
 _CONSOLE_MARKS = ("[info", "[warning", "[error", "[debug")
 
@@ -141,79 +140,59 @@ class Verdicts:
         }
 
 
-_ARRIVE, _DONE = 0, 1
+class _Replay:
+    """Listens to the driver: each attempt's outcome, and its end at the logged service time."""
+
+    def __init__(self, attempts: list[Attempt], driver: Driver | None = None) -> None:
+        self.attempts = attempts
+        self.out = Verdicts(attempts, [None] * len(attempts), [None] * len(attempts), [""] * len(attempts))
+        #: ticket id → the attempt it stands for.
+        self.index: dict[int, int] = {}
+        self.driver = driver
+
+    def admitted(self, decision: Decision, now: float) -> None:
+        index = self.index.get(decision.ticket.id)
+        if index is None:
+            return
+        ticket = decision.ticket
+        self.out.outcomes[index] = "held" if ticket.queue_wait * 1000 >= 1 else "admitted"
+        attempt = self.attempts[index]
+        service = attempt.service_s
+        learn = attempt.status is not None and 200 <= attempt.status < 300
+        assert self.driver is not None
+        ends = now + (service if service is not None else ticket.predicted)
+        self.driver.finish_at(ticket, ends, learn=learn)
+
+    def rejected(self, decision: Decision, now: float) -> None:
+        index = self.index.pop(decision.ticket.id, None)
+        if index is not None:
+            self.out.outcomes[index] = f"rejected:{decision.reason.value if decision.reason else ''}"
+
+    def arrive(self, index: int, now: float, policy: Policy) -> None:
+        attempt = self.attempts[index]
+        headers = dict(attempt.headers)
+        if attempt.retry:
+            headers[policy.retry_budget.header] = "1"
+        offer = Offer(attempt.method, attempt.path, headers, sized=True, model=attempt.model,
+                      prompt_tokens=attempt.prompt_tokens, output_tokens=attempt.output_tokens)
+        assert self.driver is not None
+        answer = self.driver.offer(offer, now, decided=lambda t: self.index.__setitem__(t.id, index))
+        out = self.out
+        out.lanes[index], out.tenants[index] = answer.lane, answer.tenant
+        if answer.shed is not None and answer.judgement is not None:
+            reason = answer.judgement.reason
+            out.outcomes[index] = f"rejected:{reason.value if reason else ''}"
 
 
 def replay(attempts: list[Attempt], policy: Policy, seed: int = 1) -> Verdicts:
     """Decide every attempt again with ``policy``, on the logged arrivals and service times."""
-    out = Verdicts(attempts, [None] * len(attempts), [None] * len(attempts), [""] * len(attempts))
+    listener = _Replay(attempts)
     if not attempts:
-        return out
+        return listener.out
+    driver = listener.driver = Driver(Machine(policy, random.Random(seed), edge_rng=random.Random(seed + 1)),
+                                      listener)
     origin = attempts[0].at
-    machine = Machine(policy, random.Random(seed), edge_rng=random.Random(seed + 1))
-    intake = machine.intake
-    heap: list[tuple[float, int, int, int]] = [(a.at - origin, i, _ARRIVE, i) for i, a in enumerate(attempts)]
-    heapq.heapify(heap)
-    seq = len(attempts)
-    tickets: dict[int, tuple[int, Ticket]] = {}
-
-    def settle(decisions: Iterable[Decision], now: float) -> None:
-        nonlocal seq
-        for d in decisions:
-            known = tickets.get(d.ticket.id)
-            if known is None:
-                continue
-            index, ticket = known
-            if d.outcome is Outcome.ADMITTED:
-                machine.admitted(d)
-                out.outcomes[index] = "held" if ticket.queue_wait * 1000 >= 1 else "admitted"
-                service = attempts[index].service_s
-                done = now + (service if service is not None else ticket.predicted)
-                heapq.heappush(heap, (done, seq, _DONE, ticket.id))
-                seq += 1
-            elif d.outcome is Outcome.REJECTED:
-                tickets.pop(d.ticket.id, None)
-                out.outcomes[index] = f"rejected:{d.reason.value if d.reason else ''}"
-
-    def arrive(index: int, now: float) -> None:
-        attempt = attempts[index]
-        headers = dict(attempt.headers)
-        if attempt.retry:
-            headers[policy.retry_budget.header.lower()] = "1"
-        config = policy.ratelimit
-        if config.mode != "off":
-            entries = {"generic_key": config.request_descriptor, "method": attempt.method,
-                       "path": attempt.path, **headers}
-            judgement = machine.judge(config, entries, 1, now)
-            if judgement.over and not judgement.shadow:
-                out.lanes[index], out.tenants[index] = judgement.lane, judgement.tenant
-                out.outcomes[index] = f"rejected:{judgement.reason.value if judgement.reason else ''}"
-                return
-        head = intake.head(attempt.method, attempt.path, headers)
-        arrival = intake.sized(head, model=attempt.model, prompt_tokens=attempt.prompt_tokens,
-                               output_tokens=attempt.output_tokens)
-        out.lanes[index], out.tenants[index] = arrival.lane, arrival.tenant
-        submitted = machine.submit(arrival.lane, arrival.tenant, arrival.job, now, retry=arrival.retry)
-        tickets[submitted.decision.ticket.id] = (index, submitted.decision.ticket)
-        settle([submitted.decision, *submitted.evicted], now)
-
-    while heap or machine.next_timer() is not None:
-        t_heap = heap[0][0] if heap else math.inf
-        t_sched = machine.next_timer()
-        now = min(t_heap, math.inf if t_sched is None else t_sched)
-        if now == math.inf:
-            break
-        if t_sched is not None and t_sched <= now:
-            settle(machine.expire(now), now)
-        while heap and heap[0][0] <= now:
-            _, _, kind, key = heapq.heappop(heap)
-            if kind == _ARRIVE:
-                arrive(key, now)
-                continue
-            known = tickets.pop(key, None)
-            if known is not None:
-                index, ticket = known
-                status = attempts[index].status
-                learn = status is not None and 200 <= status < 300
-                settle(machine.release(ticket, now, learn=learn), now)
-    return out
+    for i, attempt in enumerate(attempts):
+        driver.at(attempt.at - origin, lambda now, i=i: listener.arrive(i, now, policy))  # type: ignore[misc]
+    driver.run()
+    return listener.out

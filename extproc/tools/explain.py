@@ -22,33 +22,41 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import re
 import sys
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from extproc.core.body import BodyFacts
-from extproc.core.capacity import size
 from extproc.core.classify import Classifier, RequestFacts, normalize_path
-from extproc.core.decision import Decision, Outcome, Reason, State, Ticket
+from extproc.core.decision import Outcome, Reason
 from extproc.core.estimate import Estimator, Job
-from extproc.core.intake import Intake as CoreIntake
 from extproc.core.machine import Machine
 from extproc.policy.loader import PolicyError, load_policy
 from extproc.policy.schema import Lane, Match, Policy
 from extproc.settings import positive_int
+from extproc.sim.driver import Offer
+from extproc.tools.scenario import (
+    SPENDABLE,
+    LaneLoad,
+    ScenarioResult,
+    Spent,
+    StateError,
+    by_priority,
+    default_scenarios,
+    load_state_file,
+    parse_spent,
+    parse_state,
+    run_scenario,
+)
 
 #: Headers every HTTP request carries: not worth an "ignored" line each.
 _TRANSPORT = frozenset({
     "accept", "accept-encoding", "authorization", "connection", "content-length", "content-type", "host",
     "te", "transfer-encoding", "user-agent", "x-forwarded-for", "x-forwarded-proto", "x-request-id",
 })
-_STATE_ITEM = re.compile(r"^\s*(inflight|queued)\s*:\s*(\d{1,7})\s*$")
-#: A request played forward never needs more steps than there are tickets; this is a backstop.
-_MAX_STEPS = 1_000_000
 
 
 class ExplainError(ValueError):
@@ -152,8 +160,8 @@ def sample_request(document: str | None = None, *, method: str | None = None, pa
 
 
 @dataclass(frozen=True, slots=True)
-class Intake:
-    """The request as the live service sees it when it decides."""
+class IntakeView:
+    """The request as the live service sees it when it decides, with the words for each step."""
 
     facts: RequestFacts
     stripped: tuple[str, ...]
@@ -163,40 +171,33 @@ class Intake:
     body_read: bool
     body_why: str
     model_from: str
+    retry: bool
+    """The retry header says the request is a retry (it spends the retry budget)."""
 
 
 def _why_body(policy: Policy) -> str:
-    """In words, why this policy reads request bodies or not (the verdict is Policy.needs_body)."""
+    """In words, why this policy reads request bodies or not (``Policy.body_uses``, from which
+    ``Policy.needs_body`` is decided)."""
     mode = policy.estimation.read_body
     if mode != "auto":
         return f"estimation.read_body is {mode}"
-    uses = []
-    if policy.queueing.sjf_weight > 0:
-        uses.append(f"queueing.sjf_weight {policy.queueing.sjf_weight:g} orders queues by size")
-    uses += [f"lane {lane.name} has sjf_weight {lane.sjf_weight:g}"
-             for lane in policy.lanes if lane.sjf_weight]
-    if policy.estimation.models:
-        uses.append("estimation.models has per-model costs")
-    uses += [f"rule {_rule_name(i, r.name)} matches on models"
-             for i, r in enumerate(policy.classification.rules) if r.match.models]
-    if policy.ratelimit.asks_usage:
-        uses.append("token budgets: a streamed request is asked for its usage (ratelimit.ask_usage)")
+    uses = policy.body_uses
     if uses:
         return "read_body auto: " + "; ".join(uses)
     return ("read_body auto and nothing uses it (sjf_weight 0, no per-model costs, no rule on models, "
             "no token budgets)")
 
 
-def intake(policy: Policy, request: SampleRequest) -> Intake:
+def intake(policy: Policy, request: SampleRequest) -> IntakeView:
     """What extproc knows of ``request`` when it decides: the live service's own intake."""
-    arrival = CoreIntake(policy).request(request.method, request.path, request.headers, request.body)
+    arrival = Machine(policy).intake.request(request.method, request.path, request.headers, request.body)
     why = _why_body(policy)
     if request.body and not arrival.body_read:
         why = f"not read: {why}"
     model_header = policy.estimation.model_header
     model_from = {"header": f"header {model_header}", "body": "the body"}.get(arrival.model_from, "")
-    return Intake(arrival.facts, arrival.head.stripped, bool(request.body), arrival.body, arrival.body_read,
-                  why, model_from)
+    return IntakeView(arrival.facts, arrival.head.stripped, bool(request.body), arrival.body,
+                      arrival.body_read, why, model_from, arrival.retry)
 
 
 # -- classification ---------------------------------------------------------------------------------
@@ -333,6 +334,8 @@ def classify(policy: Policy, facts: RequestFacts, stripped: Iterable[str] = ()) 
             continue
         if name == policy.estimation.model_header:
             continue  # read for the model, trusted or not; said under the estimate
+        if name == policy.retry_budget.header:
+            continue  # read for whether the request is a retry, trusted or not; said under "retry"
         ignored.append(f"{name} is not in trusted_headers, so it cannot pick a lane or tenant")
     return ClassificationView(
         lane=result.lane, rule=result.rule, rule_index=index, lane_header=lane_header, checks=tuple(checks),
@@ -359,7 +362,7 @@ class EstimateView:
     predicted_s: float
 
 
-def estimate(policy: Policy, seen: Intake, occupancy: float = 0.0) -> EstimateView:
+def estimate(policy: Policy, seen: IntakeView, occupancy: float = 0.0) -> EstimateView:
     """The job and its predicted service time at ``occupancy``, from a fresh estimator (priors only)."""
     config = policy.estimation
     estimator = Estimator(config)
@@ -390,206 +393,6 @@ def estimate(policy: Policy, seen: Intake, occupancy: float = 0.0) -> EstimateVi
     )
 
 
-# -- decisions at queue states ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class LaneLoad:
-    inflight: int = 0
-    queued: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class ScenarioResult:
-    name: str
-    asked: dict[str, LaneLoad]
-    reached: dict[str, LaneLoad]
-    """The state the scheduler was in when the sample came (differs from ``asked`` when unreachable)."""
-    notes: tuple[str, ...]
-    outcome: Outcome
-    reason: Reason | None
-    retry_after: int | None
-    predicted_s: float
-    evicted: tuple[str, ...] = ()
-    retry_after_ms: int | None = None
-    """A rejection booked on its lane's return schedule: the exact wait it is told."""
-    retry_allowed: bool = True
-    """False: the answer says x-should-retry: false (no return can be promised)."""
-    borrowed: bool = False
-    """Admitted beyond its lane's max_inflight, on another lane's idle slot."""
-    then: Outcome | None = None
-    """For a queued request: admitted or rejected (deadline_expired), played forward."""
-    then_reason: Reason | None = None
-    then_after_s: float | None = None
-
-
-def parse_state(texts: Iterable[str], policy: Policy) -> dict[str, LaneLoad]:
-    """``--state interactive=inflight:50,queued:10`` (repeatable, one lane each) → loads by lane."""
-    known = [lane.name for lane in policy.lanes]
-    out: dict[str, LaneLoad] = {}
-    for text in texts:
-        name, sep, items = text.partition("=")
-        name = name.strip()
-        if not sep:
-            raise ExplainError(f"--state {text!r}: expected LANE=inflight:N,queued:M")
-        if name not in known:
-            raise ExplainError(f"--state {text!r}: unknown lane {name!r}; lanes: {', '.join(known)}")
-        if name in out:
-            raise ExplainError(f"--state: lane {name} given twice")
-        counts = {"inflight": 0, "queued": 0}
-        for item in items.split(","):
-            match = _STATE_ITEM.match(item)
-            if match is None:
-                raise ExplainError(f"--state {text!r}: expected inflight:N and/or queued:M, got {item!r}")
-            counts[match.group(1)] = int(match.group(2))
-        out[name] = LaneLoad(**counts)
-    return out
-
-
-def _by_priority(policy: Policy) -> list[Lane]:
-    return sorted(policy.lanes, key=lambda lane: (-lane.priority, lane.name))
-
-
-def busy(policy: Policy) -> dict[str, LaneLoad]:
-    """Every lane at its limit, highest priority first, then borrowers on what is left of the capacity."""
-    left = policy.total_capacity
-    counts: dict[str, int] = {}
-    for lane in _by_priority(policy):
-        n = 0 if lane.closed else min(lane.max_inflight, left)
-        if n:
-            counts[lane.name] = n
-            left -= n
-    for lane in _by_priority(policy):
-        if left and lane.borrow and not lane.closed:
-            extra = left if lane.max_borrow is None else min(left, lane.max_borrow)
-            counts[lane.name] = counts.get(lane.name, 0) + extra
-            left -= extra
-    return {name: LaneLoad(n) for name, n in counts.items()}
-
-
-def default_scenarios(policy: Policy, lane_name: str) -> list[tuple[str, dict[str, LaneLoad]]]:
-    """Idle; the lane at its limit; all slots busy; and the lane's queue full on top of that."""
-    lane = policy.lane(lane_name)
-    out: list[tuple[str, dict[str, LaneLoad]]] = [("idle", {})]
-    if lane.closed:
-        return out  # every state gives lane_closed
-    at_limit = {lane.name: LaneLoad(lane.max_inflight)}
-    out.append((f"{lane.name} at its in-flight limit", at_limit))
-    full = busy(policy)
-    used = sum(load.inflight for load in full.values())
-    cap = policy.total_capacity
-    busy_name = f"all {cap} slots busy" if used == cap else f"{used} of {cap} slots busy (all lanes may use)"
-    if full != at_limit:
-        out.append((busy_name, full))
-    if lane.max_queued:
-        queued = dict(full)
-        queued[lane.name] = LaneLoad(full.get(lane.name, LaneLoad()).inflight, lane.max_queued)
-        out.append((f"{busy_name}, {lane.name}'s queue full ({lane.max_queued})", queued))
-    return out
-
-
-def _why_not_admitted(scheduler: Machine, lane: Lane) -> str:
-    if lane.closed:
-        return "the lane is closed"
-    cap = scheduler.policy.total_capacity
-    if scheduler.total_inflight >= cap:
-        return f"all {cap} slots are taken"
-    if lane.borrow:
-        return f"its limit is {lane.max_inflight}, and it may borrow no more"
-    return f"its limit is {lane.max_inflight} and it may not borrow"
-
-
-def _fill(scheduler: Machine, loads: Mapping[str, LaneLoad], tenant: str, job: Job,
-          now: float) -> tuple[list[Ticket], list[str]]:
-    """Submit synthetic requests until ``loads`` is reached (or cannot be); say where it fell short."""
-    tickets: list[Ticket] = []
-    notes: list[str] = []
-    policy = scheduler.policy
-    for name, load in loads.items():
-        for i in range(load.inflight):
-            decision = scheduler.submit(name, tenant, job, now).decision
-            if decision.outcome is not Outcome.ADMITTED:
-                if decision.outcome is Outcome.QUEUED:
-                    scheduler.release(decision.ticket, now, learn=False)
-                notes.append(f"{name}: only {i} of {load.inflight} can be in flight: "
-                             f"{_why_not_admitted(scheduler, policy.lane(name))}")
-                break
-            tickets.append(decision.ticket)
-    for name, load in loads.items():
-        for i in range(load.queued):
-            submitted = scheduler.submit(name, tenant, job, now)
-            decision, evicted = submitted.decision, submitted.evicted
-            for gone in evicted:
-                notes.append(f"{name}: filling its queue evicted a queued {gone.ticket.lane} request "
-                             f"({gone.reason})")
-            if decision.outcome is Outcome.ADMITTED:
-                scheduler.release(decision.ticket, now, learn=False)
-                notes.append(f"{name}: cannot hold queued requests while a slot is free for it "
-                             f"(queued {i} of {load.queued})")
-                break
-            if decision.outcome is Outcome.REJECTED:
-                notes.append(f"{name}: only {i} of {load.queued} can be queued: the next is rejected "
-                             f"({decision.reason})")
-                break
-            tickets.append(decision.ticket)
-    return tickets, notes
-
-
-def _play_forward(scheduler: Machine, tickets: list[Ticket], sample: Ticket, now: float
-                  ) -> tuple[Outcome, Reason | None, float]:
-    """Run the state on predicted service times, no new arrivals, until ``sample`` leaves the queue."""
-    start = now
-    for _ in range(_MAX_STEPS):
-        if sample.state is not State.QUEUED:
-            break
-        ends = [t.admitted_at + t.predicted for t in tickets
-                if t.state is State.INFLIGHT and t.admitted_at is not None]
-        timer = scheduler.next_timer()
-        moments = ends + ([timer] if timer is not None else [])
-        if not moments:
-            break
-        now = max(now, min(moments))
-        for t in tickets:
-            if t.state is State.INFLIGHT and t.admitted_at is not None and t.admitted_at + t.predicted <= now:
-                scheduler.release(t, now, learn=False)
-        for decision in scheduler.expire(now):
-            if decision.ticket is sample:
-                return decision.outcome, decision.reason, now - start
-    if sample.state is State.INFLIGHT and sample.admitted_at is not None:
-        return Outcome.ADMITTED, None, sample.admitted_at - start
-    return Outcome.QUEUED, None, now - start
-
-
-def _snapshot(scheduler: Machine) -> dict[str, LaneLoad]:
-    return {name: LaneLoad(view.inflight, view.queued)
-            for name, view in scheduler.snapshot(0.0).items() if view.inflight or view.queued}
-
-
-def run_scenario(policy: Policy, name: str, loads: Mapping[str, LaneLoad], lane: str, tenant: str,
-                 job: Job, fill_job: Job | None = None, seed: int = 0) -> ScenarioResult:
-    """Fill a real scheduler to ``loads``, submit the sample, and say what happens to it."""
-    scheduler = Machine(policy, rng=random.Random(seed))
-    now = 0.0
-    tickets, notes = _fill(scheduler, loads, tenant, fill_job or job, now)
-    reached = _snapshot(scheduler)
-    decision: Decision
-    submitted = scheduler.submit(lane, tenant, job, now)
-    decision, evicted = submitted.decision, submitted.evicted
-    sample = decision.ticket
-    gone = tuple(f"a queued {d.ticket.lane} request ({d.reason})" for d in evicted)
-    result = ScenarioResult(
-        name=name, asked=dict(loads), reached=reached, notes=tuple(notes), outcome=decision.outcome,
-        reason=decision.reason, retry_after=decision.retry_after, predicted_s=sample.predicted, evicted=gone,
-        retry_after_ms=decision.retry_after_ms, retry_allowed=decision.retry_allowed,
-        borrowed=(decision.outcome is Outcome.ADMITTED
-                  and scheduler.snapshot(now)[lane].inflight > policy.lane(lane).max_inflight),
-    )
-    if decision.outcome is not Outcome.QUEUED:
-        return result
-    then, reason, after = _play_forward(scheduler, [*tickets, sample], sample, now)
-    return replace(result, then=then, then_reason=reason, then_after_s=after)
-
-
 # -- the whole explanation --------------------------------------------------------------------------
 
 
@@ -598,12 +401,16 @@ class Explanation:
     source: str
     policy: Policy
     request: SampleRequest
-    intake: Intake
+    intake: IntakeView
     classification: ClassificationView
     lane: Lane
     estimate: EstimateView
     scenarios: tuple[ScenarioResult, ...]
     fill_tokens: int | None = None
+    retry: str | None = None
+    """What the retry header says, and what the retry budget does with a retry (None: not a retry)."""
+    budgets: str | None = None
+    """The tenant's budgets at the edge (None: none apply)."""
     shadow: str | None = None
     """Why the lane only observes (shadow mode), when it does: the scenarios show what enforcing would do."""
     capacity: str | None = None
@@ -624,37 +431,74 @@ def _auto_text(policy: Policy, limit: int) -> str | None:
             f"grows while there is headroom; {mode}")
 
 
+def _retry_text(policy: Policy, request: SampleRequest, seen: IntakeView) -> str | None:
+    header = policy.retry_budget.header
+    if not seen.retry:
+        return None
+    budget = policy.retry_budget
+    if not budget.enabled:
+        return (f"{header}: {request.headers.get(header)}: a retry (it may claim a booked return); the "
+                "policy has no retry budget")
+    return (f"{header}: {request.headers.get(header)}: a retry: it spends the retry budget (retries at most "
+            f"{budget.ratio:g} of admitted originals plus {budget.min_per_second:g}/s, over "
+            f"{duration(budget.window)}), refused with retry_budget once it is spent")
+
+
+def _budgets_text(policy: Policy, tenant: str) -> str | None:
+    config = policy.ratelimit
+    limits = config.budgets.of(tenant)
+    if limits.requests is None and limits.tokens is None:
+        return None
+    source = f"ratelimit.budgets.tenants.{tenant}" if tenant in config.budgets.tenants \
+        else "ratelimit.budgets.default"
+    parts = [f"{n} {kind}" for kind, n in (("requests", limits.requests), ("tokens", limits.tokens))
+             if n is not None]
+    text = f"tenant {tenant}: {' and '.join(parts)} per {limits.per} ({source})"
+    if config.mode == "off":
+        return text + "; ratelimit.mode is off: not enforced"
+    return text + ("; shadow mode: counted, never refused" if config.mode == "shadow"
+                   else "; refused at the edge once spent")
+
+
 def explain(policy: Policy, request: SampleRequest, *, source: str = "", occupancy: float = 0.0,
-            state: Mapping[str, LaneLoad] | None = None, fill_tokens: int | None = None,
-            seed: int = 0, capacity_limit: int | None = None) -> Explanation:
+            state: Mapping[str, LaneLoad] | None = None, spent: Spent | None = None,
+            fill_tokens: int | None = None, seed: int = 0, capacity_limit: int | None = None) -> Explanation:
     """Everything ``extproc policy explain`` says, as values.
 
     With ``capacity.max_inflight: auto`` the scenarios run at ``capacity_limit`` (default: where
-    the limit starts), sized exactly as the live service sizes it.
+    the limit starts), the fleet limit set on the machine as a shared store sets it live.
     """
     auto = policy.capacity.auto
-    limit = policy.total_capacity
-    if auto is not None and policy.auto_capacity:
-        limit = min(max(capacity_limit if capacity_limit is not None else auto.first, auto.min), auto.max)
+    machine = Machine(policy)
+    if auto is not None and policy.auto_capacity and capacity_limit is not None:
+        machine.set_limit(capacity_limit, 0.0)
+    limit = machine.policy.total_capacity
     capacity = _auto_text(policy, limit)
-    policy = size(policy, limit)
-    seen = intake(policy, request)
-    view = classify(policy, seen.facts, seen.stripped)
-    sized = estimate(policy, seen, occupancy)
-    job = sized.job
+    sized = machine.policy
+    seen = intake(sized, request)
+    view = classify(sized, seen.facts, seen.stripped)
+    estimated = estimate(sized, seen, occupancy)
+    job = estimated.job
     fill_job = Job(job.model, job.prompt_tokens, fill_tokens) if fill_tokens is not None else job
-    scenarios = [("given state", dict(state))] if state else default_scenarios(policy, view.lane)
-    lane = policy.lane(view.lane)
+    if state or (spent is not None and spent.any):
+        scenarios = [("given state", dict(state or {}), spent or Spent())]
+    else:
+        scenarios = default_scenarios(sized, view.lane, view.tenant, seen.retry)
+    lane = sized.lane(view.lane)
     shadow: str | None = None
     if policy.shadow or lane.shadow:
         shadow = "policy.shadow is true" if policy.shadow else f"lane {lane.name} has shadow: true"
     # In shadow mode every request is admitted, so no queue state could even be reached: show
     # what the policy would do once it enforces, which is what shadow mode is there to tell.
     enforcing = _enforcing(policy) if shadow else policy
-    results = tuple(run_scenario(enforcing, name, loads, view.lane, view.tenant, job, fill_job, seed)
-                    for name, loads in scenarios)
-    return Explanation(source, policy, request, seen, view, lane, sized, results,
-                       fill_tokens=fill_tokens, shadow=shadow, capacity=capacity)
+    offer = Offer(request.method, request.path, request.headers, body=request.body)
+    limit_given = limit if auto is not None and policy.auto_capacity else None
+    results = tuple(run_scenario(enforcing, name, loads, offer, view.tenant, fill_job, spent=spent_now,
+                                 seed=seed, capacity_limit=limit_given)
+                    for name, loads, spent_now in scenarios)
+    return Explanation(source, sized, request, seen, view, lane, estimated, results, fill_tokens=fill_tokens,
+                       retry=_retry_text(policy, request, seen), budgets=_budgets_text(policy, view.tenant),
+                       shadow=shadow, capacity=capacity)
 
 
 def _enforcing(policy: Policy) -> Policy:
@@ -689,7 +533,7 @@ def _state_text(policy: Policy, loads: Mapping[str, LaneLoad]) -> str:
     if not loads:
         return "nothing in flight or queued"
     parts = []
-    for lane in _by_priority(policy):
+    for lane in by_priority(policy):
         load = loads.get(lane.name)
         if load is None:
             continue
@@ -707,7 +551,9 @@ def _verdict(result: ScenarioResult, lane: Lane) -> str:
             text += " on a slot borrowed from an idle lane"
     elif result.outcome is Outcome.REJECTED:
         reason = result.reason or Reason.QUEUE_FULL
-        text = f"REJECTED {reason.http_status} {reason}, Retry-After {result.retry_after} s"
+        where = " at the edge" if result.at == "edge" else ""
+        status = result.status or reason.http_status
+        text = f"REJECTED{where} {status} {reason}, Retry-After {result.retry_after} s"
         if result.retry_after_ms is not None:
             text += f" (a return booked in {result.retry_after_ms} ms: retry-after-ms)"
         elif reason.retry_helps and not result.retry_allowed:
@@ -720,7 +566,10 @@ def _verdict(result: ScenarioResult, lane: Lane) -> str:
         elif result.then is Outcome.REJECTED and result.then_after_s is not None:
             text += (f", then REJECTED {result.then_reason} after {_seconds(result.then_after_s)}: "
                      "no slot comes its way before its deadline")
-    text += f"; predicted service {_seconds(result.predicted_s)}"
+    if result.predicted_s is not None:
+        text += f"; predicted service {_seconds(result.predicted_s)}"
+    if result.edge_shadow is not None:
+        text += f" (the edge, in shadow mode, would have shed it: {result.edge_shadow})"
     return text
 
 
@@ -759,6 +608,10 @@ def render(expl: Explanation) -> str:
     lines.append(f"  tenant    {view.tenant} from {view.tenant_from}; weight {view.tenant_weight:g} "
                  f"({view.weight_from})")
     lines += [f"  ignored   {text}" for text in view.ignored]
+    if expl.retry:
+        lines.append(f"  retry     {expl.retry}")
+    if expl.budgets:
+        lines.append(f"  budgets   {expl.budgets}")
 
     job = est.job
     lines += ["", f"estimate → {_seconds(est.predicted_s)} at occupancy {est.occupancy:.0%}",
@@ -781,7 +634,10 @@ def render(expl: Explanation) -> str:
         lines += [f"  SHADOW MODE ({expl.shadow}): the live service admits every request of this lane",
                   "  at once, marking what enforcing would do (x-extproc-shadow); below: what enforcing does"]
     for result in expl.scenarios:
-        lines.append(f"  {result.name}: {_state_text(expl.policy, result.reached)}")
+        state = _state_text(expl.policy, result.reached)
+        if result.spent:
+            state += "; " + ", ".join(result.spent)
+        lines.append(f"  {result.name}: {state}")
         lines.append(f"    → {_verdict(result, expl.lane)}")
         lines += [f"      evicts {text}" for text in result.evicted]
         lines += [f"      note: {text}" for text in result.notes]
@@ -818,6 +674,8 @@ def as_json(expl: Explanation) -> dict[str, Any]:
             "predicted_s": est.predicted_s,
         },
         "fill_tokens": expl.fill_tokens,
+        "retry": expl.retry,
+        "budgets": expl.budgets,
         "shadow": expl.shadow,
         "capacity": expl.capacity,
         "scenarios": [{
@@ -830,6 +688,8 @@ def as_json(expl: Explanation) -> dict[str, Any]:
             "predicted_s": s.predicted_s, "borrowed": s.borrowed, "evicted": list(s.evicted),
             "then": s.then.value if s.then else None,
             "then_reason": s.then_reason.value if s.then_reason else None, "then_after_s": s.then_after_s,
+            "at": s.at, "status": s.status, "spent": list(s.spent),
+            "edge_shadow": s.edge_shadow.value if s.edge_shadow else None,
         } for s in expl.scenarios],
     }
 
@@ -862,6 +722,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="share of capacity busy for the estimate, 0..1 (default 0)")
     parser.add_argument("--state", action="append", default=[], metavar="LANE=inflight:N,queued:M",
                         help="decide at this queue state instead of the default scenarios (repeatable)")
+    parser.add_argument("--spent", action="append", default=[], metavar="|".join(SPENDABLE),
+                        help="decide with this budget used up: the retry budget, or the request's tenant's "
+                        "request or token budget (repeatable; with --state, on top of it)")
+    parser.add_argument("--state-file", metavar="FILE",
+                        help="the state as YAML: lanes: {LANE: {inflight: N, queued: M}}, spent: [...]")
     parser.add_argument("--fill-tokens", type=positive_int, default=None, metavar="N",
                         help="output tokens of the synthetic requests that fill a state "
                         "(default: as many as this request)")
@@ -884,10 +749,15 @@ def command(args: argparse.Namespace) -> int:
         request = sample_request(args.request, method=args.method, path=args.path, headers=args.headers,
                                  body=args.body)
         state = parse_state(args.state, policy)
-    except ExplainError as exc:
+        spent = parse_spent(args.spent)
+        if args.state_file:
+            if state or spent.any:
+                raise ExplainError("give the state as --state-file or as --state/--spent, not both")
+            state, spent = load_state_file(args.state_file, policy)
+    except (ExplainError, StateError) as exc:
         print(f"extproc policy explain: {exc}", file=sys.stderr)
         return 2
-    expl = explain(policy, request, source=args.file, occupancy=args.occupancy, state=state,
+    expl = explain(policy, request, source=args.file, occupancy=args.occupancy, state=state, spent=spent,
                    fill_tokens=args.fill_tokens, seed=args.seed, capacity_limit=args.capacity_limit)
     print(json.dumps(as_json(expl), indent=2) if args.json else render(expl))
     return 0

@@ -21,7 +21,8 @@ from extproc.policy import Policy, load_policy
 from extproc.policy.ratelimit import RateLimit
 from extproc.servers.extproc import ExternalProcessor, _Request
 from extproc.tools import explain as ex
-from extproc.tools.explain import ExplainError, LaneLoad, parse_state, sample_request
+from extproc.tools.explain import ExplainError, sample_request
+from extproc.tools.scenario import LaneLoad, StateError, busy, parse_state
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -128,7 +129,11 @@ def test_example_policy_queue_full_with_small_fill_requests() -> None:
     assert full.reached["interactive"] == LaneLoad(8, 64)
     assert full.notes == ()
     assert (full.outcome, full.reason) == (Outcome.REJECTED, Reason.QUEUE_FULL)
-    assert "REJECTED 429 queue_full, Retry-After" in ex.render(ex.explain(policy, request, fill_tokens=1))
+    # The live path meets the edge first: with every slot busy and the queue full, the rate limit
+    # service sheds it before ext_proc is asked.
+    assert full.at == "edge"
+    text = ex.render(ex.explain(policy, request, fill_tokens=1))
+    assert "REJECTED at the edge 429 queue_full, Retry-After" in text
 
 
 def test_demo_policy_interactive_does_not_borrow() -> None:
@@ -369,7 +374,7 @@ def test_parse_state() -> None:
     (["batch=inflight:-1"], "expected inflight:N and/or queued:M"),
 ])
 def test_parse_state_errors(texts: list[str], message: str) -> None:
-    with pytest.raises(ExplainError, match=message):
+    with pytest.raises(StateError, match=message):
         parse_state(texts, example("policy.yaml"))
 
 
@@ -437,7 +442,7 @@ def test_busy_state_when_borrowing_cannot_use_the_whole_capacity() -> None:
         {"name": "b", "max_inflight": 2, "max_queued": 2, "deadline": "10s"},
         {"name": "c", "max_inflight": 1, "deadline": "10s", "closed": True},
     ], capacity={"max_inflight": 6})
-    assert ex.busy(policy) == {"a": LaneLoad(3), "b": LaneLoad(2)}
+    assert busy(policy) == {"a": LaneLoad(3), "b": LaneLoad(2)}
     expl = ex.explain(policy, sample_request(path="/"), state={})
     assert [s.name for s in expl.scenarios] == [
         "idle", "a at its in-flight limit", "5 of 6 slots busy (all lanes may use)"]
