@@ -29,9 +29,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_gr
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from extproc.admin import Admin
 from extproc.controller import Controller
 from extproc.metrics import Metrics, RateLimitMetrics, SaturationCollector
+from extproc.operations import Admin
 from extproc.policy.schema import Policy
 from extproc.policy.watcher import PolicyFile, ReloadResult
 from extproc.servers import admin as admin_http
