@@ -27,9 +27,9 @@ import structlog
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from extproc.admin import Admin, reload_response
 from extproc.api.admin.v1 import admin_pb2 as pb
 from extproc.api.document import to_document
+from extproc.operations import Admin, reload_response
 
 log = structlog.get_logger("extproc.admin")
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -24,9 +24,9 @@ from typing import Any
 import grpc
 import structlog
 
-from extproc.admin import Admin, reload_response
 from extproc.api.admin.v1 import admin_pb2 as pb
 from extproc.api.admin.v1 import admin_pb2_grpc as pb_grpc
+from extproc.operations import Admin, reload_response
 
 log = structlog.get_logger("extproc.admin")
 SERVICE = "extproc.api.admin.v1.Admin"

@@ -557,7 +557,7 @@ class _Request:
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(self, controller: Controller, *, log_key: bytes | None = None,
-                 overload_after: float = 0.0) -> None:
+                 overload_after: float = 0.0, edge: RateLimitService | None = None) -> None:
         self.controller = controller
         #: Refuses at once what reaches extproc too late to be worth deciding (0: off).
         self.overload = OverloadGuard(overload_after)
@@ -570,8 +570,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         # would resolve itself again on each of the one-per-request decision lines.
         self.log: structlog.typing.FilteringBoundLogger = log.bind()
         #: The edge, judged here for a proxy that says so (x-extproc-edge) rather than in a rate limit
-        #: call of its own (app.py sets it; None: every arrival goes on to ext_proc's decision).
-        self.edge: RateLimitService | None = None
+        #: call of its own (None: every arrival goes on to ext_proc's decision).
+        self.edge = edge
 
     @property
     def intake(self) -> Intake:

@@ -57,7 +57,7 @@ DEFAULT_ADMIN = "127.0.0.1:9091"
 #: The same variables ``extproc serve`` reads, so one environment configures both ends.
 ADMIN_ENV, TOKEN_ENV, TOKEN_FILE_ENV = "EXTPROC_ADMIN", "EXTPROC_ADMIN_TOKEN", "EXTPROC_ADMIN_TOKEN_FILE"
 STATE_PATH = "/admin/state"
-#: The ``State.version`` this viewer was written for. The server's is ``extproc.admin.STATE_VERSION``,
+#: The ``State.version`` this viewer was written for. The server's is ``extproc.operations.STATE_VERSION``,
 #: which a tool may not import (tests/unit/test_layout.py); a test keeps the two equal. Any other
 #: version is drawn with a warning.
 READS_VERSION = 1

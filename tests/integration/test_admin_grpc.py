@@ -20,10 +20,10 @@ import grpc
 import httpx
 import pytest
 
-from extproc.admin import STATE_VERSION
 from extproc.api.admin.v1 import admin_pb2 as pb
 from extproc.api.admin.v1 import admin_pb2_grpc as pb_grpc
 from extproc.api.document import from_document, to_document
+from extproc.operations import STATE_VERSION
 from tests.integration.conftest import Env, shared_env
 
 pytestmark = pytest.mark.envoy

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 from rich.cells import cell_len
 
-from extproc.admin import STATE_VERSION
 from extproc.api.admin.v1 import admin_pb2 as pb
 from extproc.api.document import to_document
+from extproc.operations import STATE_VERSION
 from extproc.tools.top import (
     ASCII,
     READS_VERSION,
