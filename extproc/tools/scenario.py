@@ -315,8 +315,10 @@ def _spend(driver: Driver, spent: Spent, offer: Offer, tenant: str, now: float) 
             # costs nothing), down to less than one request.
             hits = 1
             while hits >= 1:
-                taken = not machine.judge(config, entries, hits, now).over
-                hits = hits * 2 if taken else hits // 2
+                judgement = machine.judge(config, entries, hits, now)
+                if judgement.over and not judgement.shadow:
+                    machine.shed([judgement], now)  # (each refusal answered, as the service answers it)
+                hits = hits // 2 if judgement.over else hits * 2
     if spent.tenant_tokens:
         if config.mode == "off" or limits.tokens is None:
             notes.append(f"tenant {tenant}: no token budget (ratelimit mode {config.mode})")
