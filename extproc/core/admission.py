@@ -14,13 +14,13 @@ the queues, not the order of arrivals, decides who goes next.
 
 The scheduler is pure: callers pass ``now`` and get decisions back. The live
 service and the offline simulator both drive it. It takes the decisions; where
-every request is and the slot rule are the lanes' (``core/lanes.py``), and what a
-rejection tells its client about coming back the returns' (``core/drain.py``).
+every request is and the slot rule are the lanes' (``core/lanes.py``), deadlines
+and leases the timers' (``core/timers.py``), and what a rejection tells its
+client about coming back the returns' (``core/drain.py``).
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import random
 from collections.abc import Callable, Mapping
@@ -31,10 +31,8 @@ from extproc.core.estimate import Estimator, Job
 from extproc.core.lanes import Lanes, LaneView
 from extproc.core.queue import Entry
 from extproc.core.saturation import Effect
+from extproc.core.timers import Timers
 from extproc.policy.schema import Lane, Policy
-
-#: Dead leases tolerated beyond twice the in-flight count before the lease heap is rebuilt.
-_LEASE_SLACK = 1024
 
 
 class Scheduler:
@@ -48,8 +46,7 @@ class Scheduler:
         self.estimator = estimator or Estimator(policy.estimation)
         self._lanes = Lanes(policy)
         self._returns = Returns(self._lanes, rng or random.Random(), permit)
-        self._deadlines: list[tuple[float, int, Ticket]] = []
-        self._leases: list[tuple[float, int, Ticket]] = []
+        self._timers = Timers()
         self.draining = False
         self.reclaimed = 0
         self.reconfigure(policy)
@@ -139,7 +136,7 @@ class Scheduler:
         ticket.state = State.QUEUED
         ticket.admitted_at = None
         self._lanes.requeue(ticket)
-        heapq.heappush(self._deadlines, (ticket.deadline, ticket.id, ticket))
+        self._timers.deadline(ticket)
         return Decision(Outcome.QUEUED, ticket)
 
     def rank(self, ticket: Ticket) -> float:
@@ -244,7 +241,7 @@ class Scheduler:
             evicted.append(self._withdraw(victim, Reason.EVICTED, now))
         ticket.entry = Entry(ticket.id, tenant, now, ticket.deadline, predicted, rank)
         lanes.enqueue(ticket)
-        heapq.heappush(self._deadlines, (ticket.deadline, ticket.id, ticket))
+        self._timers.deadline(ticket)
         return Decision(Outcome.QUEUED, ticket), evicted
 
     def refuse(self, lane_name: str, tenant: str, job: Job, reason: Reason, now: float) -> Decision:
@@ -315,27 +312,18 @@ class Scheduler:
     def expire(self, now: float) -> list[Decision]:
         """Reject queued requests past their deadline; reclaim slots held past the backstop."""
         out: list[Decision] = []
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, _, ticket = heapq.heappop(self._deadlines)
-            if ticket.state is State.QUEUED:
-                out.append(self._withdraw(ticket, Reason.DEADLINE_EXPIRED, now))
-        while self._leases and self._leases[0][0] <= now:
-            _, _, ticket = heapq.heappop(self._leases)
-            if ticket.state is State.INFLIGHT:
-                self.reclaimed += 1
-                out.extend(self.release(ticket, now, learn=False))
+        while (ticket := self._timers.overdue(now)) is not None:
+            out.append(self._withdraw(ticket, Reason.DEADLINE_EXPIRED, now))
+        while (ticket := self._timers.lapsed(now)) is not None:
+            self.reclaimed += 1
+            out.extend(self.release(ticket, now, learn=False))
         out.extend(self._dispatch(now))
         self._prune_retired()
         return out
 
     def next_timer(self) -> float | None:
         """When ``expire`` next has something to do."""
-        while self._deadlines and self._deadlines[0][2].state is not State.QUEUED:
-            heapq.heappop(self._deadlines)
-        while self._leases and self._leases[0][2].state is not State.INFLIGHT:
-            heapq.heappop(self._leases)
-        times = [h[0][0] for h in (self._deadlines, self._leases) if h]
-        return min(times) if times else None
+        return self._timers.next()
 
     def drain(self, now: float) -> list[Decision]:
         """Stop admitting; every queued request is rejected as draining."""
@@ -367,23 +355,8 @@ class Scheduler:
         ticket.admitted_at = now
         ticket.occupancy = self.occupancy()
         self._lanes.start(ticket)
-        if len(self._leases) >= 2 * self._lanes.total_inflight + _LEASE_SLACK:
-            self._compact_leases()
-        heapq.heappush(
-            self._leases, (now + self.policy.capacity.max_request_duration, ticket.id, ticket)
-        )
-
-    def _compact_leases(self) -> None:
-        """Drop the leases of requests that have ended.
-
-        A finished request's lease stays in the heap (taking it out of the middle would cost
-        O(n)) until it comes due, ``max_request_duration`` later (an hour by default): at a few
-        hundred requests a second, a million dead entries, each keeping its Ticket alive and
-        walked by every full garbage collection. Rebuilding once dead entries outnumber live
-        ones keeps the heap within a constant factor of the in-flight count, in amortised O(1).
-        """
-        self._leases = [lease for lease in self._leases if lease[2].state is State.INFLIGHT]
-        heapq.heapify(self._leases)
+        until = now + self.policy.capacity.max_request_duration
+        self._timers.lease(ticket, until, self._lanes.total_inflight)
 
     def _withdraw(self, ticket: Ticket, reason: Reason, now: float) -> Decision:
         self._lanes.dequeue(ticket)
