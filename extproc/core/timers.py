@@ -18,6 +18,15 @@ from extproc.core.decision import State, Ticket
 _LEASE_SLACK = 1024
 
 
+def _pop_due(heap: list[tuple[float, int, Ticket]], state: State, now: float) -> Ticket | None:
+    """The first ticket due by ``now`` and still in ``state``, off ``heap`` (the others due are dropped)."""
+    while heap and heap[0][0] <= now:
+        _, _, ticket = heapq.heappop(heap)
+        if ticket.state is state:
+            return ticket
+    return None
+
+
 class Timers:
     """Deadlines of queued requests and leases of in-flight ones."""
 
@@ -37,19 +46,11 @@ class Timers:
 
     def overdue(self, now: float) -> Ticket | None:
         """A queued request whose deadline has passed (taken off its timer); None once there is none."""
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, _, ticket = heapq.heappop(self._deadlines)
-            if ticket.state is State.QUEUED:
-                return ticket
-        return None
+        return _pop_due(self._deadlines, State.QUEUED, now)
 
     def lapsed(self, now: float) -> Ticket | None:
         """An in-flight request past its lease (taken off its timer); None once there is none."""
-        while self._leases and self._leases[0][0] <= now:
-            _, _, ticket = heapq.heappop(self._leases)
-            if ticket.state is State.INFLIGHT:
-                return ticket
-        return None
+        return _pop_due(self._leases, State.INFLIGHT, now)
 
     def next(self) -> float | None:
         """When a deadline or a lease next comes due."""
