@@ -1,24 +1,37 @@
-"""How fast each lane drains: completions per second, measured (pure: explicit time, no I/O).
+"""How fast each lane drains, and when a rejected request should come back (pure: explicit time, no I/O).
 
-Retry-After should say when a request rejected now would get a slot if it came back: the requests
-ahead of it in its lane (over every replica) divided by how fast the lane completes requests
-(over every replica). :class:`CompletionRate` is an exponentially weighted event rate: each completion adds
-``1/tau`` and the estimate decays by ``e^(-dt/tau)``, so it follows a change in throughput within
-a few ``tau`` and needs no timer. :class:`FleetRate` turns the fleet's completion counters (one
-per lane in the shared store, read on each sync) into the same kind of estimate.
-:class:`ReturnSchedule` books rejected clients' returns at a share of that rate, and lets a retry
-that comes back on time claim its place.
+How this works: Retry-After should say when a request rejected now would get a slot if it came
+back: the requests ahead of it in its lane (over every replica) divided by how fast the lane
+completes requests (over every replica). :class:`CompletionRate` is an exponentially weighted
+event rate: each completion adds ``1/tau`` and the estimate decays by ``e^(-dt/tau)``, so it
+follows a change in throughput within a few ``tau`` and needs no timer. :class:`FleetRate` turns
+the fleet's completion counters (one per lane in the shared store, read on each sync) into the
+same kind of estimate. :class:`ReturnSchedule` books rejected clients' returns at a share of that
+rate, and lets a retry that comes back on time claim its place. :class:`Returns` puts them
+together for the scheduler: it measures each lane's completions, reads the rest of what it needs
+of the lanes through :class:`LaneState`, and answers what a rejection tells its client.
 """
 
 from __future__ import annotations
 
 import math
+import random
+import sys
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
+from typing import Protocol
+
+from extproc.core.decision import Reason, Ticket
+from extproc.core.queue import LaneQueue
+from extproc.core.retry import bounds, retry_after
+from extproc.policy.schema import Lane, Policy
 
 #: Time constant of the completion-rate estimates (seconds).
 TAU = 10.0
+#: A lane completing fewer requests per second than this drains slower than a Retry-After can say
+#: (a minute at most): its measured rate is not used.
+_SLOWEST_RATE = 1e-3
 
 
 class CompletionRate:
@@ -320,3 +333,277 @@ class ReturnSchedule:
             self._held_weight.pop(lane, None)
         for key in [key for key in self._passes if key[0] not in lanes]:
             del self._passes[key]
+
+
+class LaneState(Protocol):
+    """What :class:`Returns` reads of the lanes (the scheduler's lanes implement it)."""
+
+    @property
+    def policy(self) -> Policy: ...
+
+    @property
+    def configs(self) -> Mapping[str, Lane]:
+        """Every lane the scheduler has (retired ones too), by name."""
+        ...
+
+    def queue(self, lane: str) -> LaneQueue | None: ...
+
+    def running(self, lane: str) -> Collection[Ticket]:
+        """``lane``'s in-flight tickets on this replica."""
+        ...
+
+    def limit(self, lane: str) -> int:
+        """``lane``'s in-flight limit in force (0 for a lane it does not have)."""
+        ...
+
+    def others_queued(self, lane: str) -> int:
+        """What the other replicas queue in ``lane``, as last seen."""
+        ...
+
+    def admissible(self, lane: str) -> bool:
+        """Whether one more request of ``lane`` could start now."""
+        ...
+
+    def tenant_weight(self, tenant: str) -> float: ...
+
+    def estimated_wait(self, lane: Lane, rank: float, now: float) -> float:
+        """When a request of ``rank`` would start, by list scheduling on the lane's slots."""
+        ...
+
+
+class Returns:
+    """Each lane's drain and its return schedule: what a rejection tells its client.
+
+    Owns this replica's completion rates per lane, the fleet's (when a shared store says), the
+    return schedule, and the retry budget's say (``permit``); reads the lanes through
+    :class:`LaneState`.
+    """
+
+    def __init__(self, lanes: LaneState, rng: random.Random,
+                 permit: Callable[[float], bool] | None = None) -> None:
+        self._lanes = lanes
+        self._rng = rng
+        # How fast each lane frees slots: this replica's own completions, and the fleet's (from the
+        # shared store's counters) when a store says.
+        self._completions: dict[str, CompletionRate] = {}
+        self._fleet_rates: dict[str, float] = {}
+        self._replicas = 1
+        self._schedule = ReturnSchedule(lanes.tenant_weight)
+        #: Reserves a retry in the retry budget for a rejection that lets its client retry; False:
+        #: no room (None: no budget).
+        self.permit = permit
+
+    # -- what the lanes do ----------------------------------------------------------
+
+    def completed(self, lane: str, now: float, idle: bool) -> None:
+        """A request of ``lane`` ended in its slot; ``idle``: the lane has nothing more to do."""
+        rate = self._completions.get(lane)
+        if rate is None:
+            rate = self._completions[lane] = CompletionRate()
+        rate.add(now)
+        if idle:
+            rate.pause(now)  # idle: completing nothing says nothing of its pace
+
+    def started(self, lane: str, now: float) -> None:
+        """A request of ``lane`` took a slot: the lane is not idle."""
+        rate = self._completions.get(lane)
+        if rate is not None:
+            rate.resume(now)
+
+    def forget(self, lanes: Collection[str]) -> None:
+        """Only ``lanes`` are kept (after a reload, or once retired lanes are gone)."""
+        for name in [name for name in self._completions if name not in lanes]:
+            del self._completions[name]
+        self._schedule.forget(set(lanes))
+
+    def reweigh(self) -> None:
+        """Tenants' weights may have changed (a policy reload)."""
+        self._schedule.reweigh(self._lanes.tenant_weight)
+
+    # -- what a rejection tells -----------------------------------------------------
+
+    def retry_after(self, reason: Reason, lane: str, now: float, drain: float | None = None, *,
+                    tenant: str | None = None, first: float | None = None,
+                    predicted: float | None = None, rank: float | None = None) -> Told:
+        """What a rejection tells its client: when to come back, and whether retrying can help.
+
+        Where retrying soon cannot help (a closed or shed lane): the longest allowed, jittered.
+        Otherwise from when the request would start from its place (``drain_wait`` at ``rank``; a
+        booked return keeps that place): once the lane's
+        completion rate is known, the next place of the lane's return schedule from then on (one
+        client per ``1 / (retry_after.share * rate)`` s; this replica's part of the fleet's rate),
+        booked for ``tenant``'s return (``first``: when the request first arrived) if the retry
+        budget has room. Returns also spend their service time (``predicted``) from ``share`` of
+        the lane's slots: a long job that finds too little there is not booked. With the schedule
+        full (to the longest wait allowed, or of slot time), retrying is not allowed.
+        Before a rate is measured the schedule paces at the rate the running requests imply
+        (``_running_rate``). With nothing running, with ``retry_after.share`` 0, or for a replica
+        shutting down: the drain itself, jittered. ``drain``: ``drain_wait`` if the caller already
+        has it (the edge's lane check computed it). The retry budget is asked once, here (``permit``).
+        """
+        config = self._lanes.policy.retry_after
+        if not reason.retry_helps:
+            return Told(retry_after(config.max, config, self._rng))
+        if drain is None:
+            drain = self.drain_wait(lane, now, rank)
+        measured = self._rate(lane, now) or self._running_rate(lane)
+        if measured is not None and tenant is not None and config.share > 0 and reason is not Reason.DRAINING:
+            low, high = bounds(config)
+            rate, share = measured
+            pace = config.share * rate / share
+            self._schedule.expire(now)
+            # From the drain on (a return before a slot frees would find none), but at most the
+            # longest allowed: a booked return keeps its first attempt's place, so it does not
+            # wait behind all of a long queue.
+            earliest = min(max(drain, low), high)
+            # This replica's part of share of the lane's slots, as slot-seconds per second.
+            supply = config.share * self._lanes.limit(lane) / share
+            work = predicted or 0.0
+            cap = self._booking_cap(lane, tenant, pace, high, work, supply)
+            if self._schedule.booked(lane, tenant) >= cap:
+                # Its tenant holds its share of the returns: no place can be promised to this one.
+                return Told(retry_after(drain, config, self._rng), allowed=False)
+            due = self._schedule.place(lane, now, earliest, high, pace, work=work, supply=supply)
+            if due is None:
+                # Booked to the longest wait allowed: no return within it can be promised.
+                return Told(retry_after(config.max, config, self._rng), allowed=False)
+            if not self._permitted(now):
+                return Told(retry_after(drain, config, self._rng), allowed=False)
+            self._schedule.book(lane, tenant, due, pace, now if first is None else first, now=now,
+                                latest=high, work=work, supply=supply)
+            wait = due - now
+            return Told(max(1, math.ceil(wait - 1e-9)), ms=max(1, round(wait * 1000)), booked=True)
+        return Told(retry_after(drain, config, self._rng), allowed=self._permitted(now))
+
+    def _running_rate(self, lane: str) -> tuple[float, int] | None:
+        """Before a completion rate is measured: the rate the lane's running requests imply (each
+        slot completes one request per predicted service time of what runs in it: the sum of
+        1 / predicted; not the count over the mean, which long jobs, running longest, dominate),
+        so the first rejections are spread too."""
+        tickets = self._lanes.running(lane)
+        if not tickets:
+            return None
+        rate = sum(1.0 / max(t.predicted, 1e-3) for t in tickets)
+        return (rate, 1) if _SLOWEST_RATE <= rate < math.inf else None
+
+    def _permitted(self, now: float) -> bool:
+        return self.permit is None or self.permit(now)
+
+    # -- bookings -------------------------------------------------------------------
+
+    def claim(self, lane: str, tenant: str, now: float) -> float | None:
+        """A retry of ``tenant`` to ``lane`` arrives: its booking's first arrival, consumed, if it
+        holds one (only a tenant the gateway vouches for may claim); None: an ordinary request."""
+        return self._schedule.claim(lane, tenant, now) if self._vouched(tenant) else None
+
+    def claimable(self, lane: str, tenant: str, now: float) -> bool:
+        """Whether a retry of ``tenant`` to ``lane`` arriving now would claim a booking (the edge
+        lets one retry per booking through to ext_proc, which claims it)."""
+        return self._vouched(tenant) and self._schedule.claimable(lane, tenant, now)
+
+    def holds_booking(self, lane: str, tenant: str, now: float) -> bool:
+        """Whether a retry of ``tenant`` to ``lane`` arriving now would claim a booking (nothing is
+        taken: ext_proc's own check before it submits)."""
+        return self._vouched(tenant) and self._schedule.holds(lane, tenant, now)
+
+    def _vouched(self, tenant: str) -> bool:
+        """Whether ``tenant`` came from a header the gateway vouches for (not the default)."""
+        policy = self._lanes.policy
+        tenants = policy.tenants
+        return (tenants.header is not None and tenants.header in policy.trusted_headers
+                and tenant != tenants.default)
+
+    def _booking_cap(self, lane: str, tenant: str, pace: float, high: float, work: float,
+                     supply: float) -> int:
+        """How many bookings ``tenant`` may hold on ``lane``'s schedule: its weight's share of the
+        returns the longest wait holds (places at ``pace``, and the slot time allowed for returns,
+        ``supply``, in jobs of this one's ``work``), among the tenants queued or booked there: one
+        tenant's flood of rejections cannot take every return."""
+        weight = self._lanes.tenant_weight
+        held = self._schedule.holders(lane)
+        total = self._schedule.held_weight(lane)  # kept as bookings come and go: O(1)
+        queue = self._lanes.queue(lane)
+        queued = queue.tenants() if queue is not None else {}
+        for name in queued:  # at most max_queued of them
+            if name not in held:
+                total += weight(name)
+        mine = weight(tenant)
+        if tenant not in held and tenant not in queued:
+            total += mine
+        share = mine / total if total > 0 else 1.0
+        if share >= 1 - 1e-12:
+            return sys.maxsize  # alone: the schedule's own limits are all there is
+        returns = pace * high
+        if work > 0 and math.isfinite(supply):
+            returns = min(returns, supply * high / work)
+        return max(1, math.ceil(share * returns))
+
+    @property
+    def bookings(self) -> int:
+        """Returns booked on the lanes' schedules and not yet claimed (lapsed ones until swept)."""
+        return len(self._schedule)
+
+    def expire_bookings(self, now: float) -> None:
+        """Sweep lapsed bookings (at most once per ``ReturnSchedule.LATE`` s)."""
+        self._schedule.expire(now)
+
+    # -- drain rates ----------------------------------------------------------------
+
+    def set_drain_rates(self, rates: Mapping[str, float], replicas: int = 1) -> None:
+        """The fleet's completions per second per lane (from the shared store; lanes absent are
+        measured here) and how many replicas share them (each books its part of the schedule)."""
+        self._fleet_rates = dict(rates)
+        self._replicas = max(1, replicas)
+
+    def drain_rate(self, lane: str, now: float) -> float | None:
+        """Completions per second in ``lane``: the fleet's if known, else this replica's once it
+        has watched for a while; None before that (or while slower than Retry-After can say)."""
+        measured = self._rate(lane, now)
+        return measured[0] if measured is not None else None
+
+    def _rate(self, lane: str, now: float) -> tuple[float, int] | None:
+        """(completions per second, how many replicas share them) for ``lane``, if known."""
+        fleet = self._fleet_rates.get(lane)
+        if fleet is not None:
+            rate, share = fleet, self._replicas
+        else:
+            local = self._completions.get(lane)
+            if local is None or not local.known(now):
+                return None
+            rate, share = local.value(now), 1
+        if not (rate >= _SLOWEST_RATE and math.isfinite(rate)):
+            return None
+        return rate, share
+
+    def drain_rates(self, now: float) -> dict[str, float | None]:
+        """Every lane's ``drain_rate``."""
+        return {name: self.drain_rate(name, now) for name in self._lanes.configs}
+
+    def drain_wait(self, lane: str, now: float, rank: float | None = None) -> float:
+        """Seconds until a request joining ``lane``'s queue now would get a slot: the requests
+        ahead of it over every replica (this one's queue and the others' as last seen), plus
+        itself, over the lane's measured completion rate. ``rank``: its place in the lane's order
+        (None: behind the whole queue, as the edge, which knows no job size, asks); the other
+        replicas' queues count in the share this one's has ahead of it. Until a rate is known,
+        list scheduling on this replica's own predicted service times. 0 with a slot free now."""
+        lanes = self._lanes
+        config = lanes.configs.get(lane)
+        if config is None:
+            return 0.0
+        queue = lanes.queue(lane)
+        here = len(queue) if queue is not None else 0
+        if here + lanes.others_queued(lane) == 0 and lanes.admissible(lane):
+            return 0.0
+        measured = self._rate(lane, now)
+        if measured is None:
+            return lanes.estimated_wait(config, math.inf if rank is None else rank, now)
+        rate, _ = measured
+        ahead: float = here
+        others: float = lanes.others_queued(lane)
+        if rank is not None and queue is not None and here:
+            ahead = sum(1 for e in queue.entries() if e.rank <= rank)
+            others = others * ahead / here
+        # The fleet's rate drains every replica's queue; this replica's own rate only its own.
+        if lane in self._fleet_rates:
+            ahead += others
+        return (ahead + 1) / rate

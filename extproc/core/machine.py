@@ -32,7 +32,7 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from extproc.core.admission import LaneView, Scheduler
+from extproc.core.admission import Scheduler
 from extproc.core.body import SlowBodies
 from extproc.core.budget import BucketVerdict, part, verdict
 from extproc.core.capacity import AutoLimit, Move, size
@@ -51,6 +51,7 @@ from extproc.core.edge import (
 )
 from extproc.core.estimate import Job
 from extproc.core.intake import Intake
+from extproc.core.lanes import LaneView
 from extproc.core.retry_budget import SLOTS as RETRY_BUDGET_SLOTS
 from extproc.core.retry_budget import RetryBudget
 from extproc.core.saturation import Change, Effect, Reading, Saturation

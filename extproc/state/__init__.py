@@ -214,7 +214,7 @@ class Limits:
               ) -> tuple[SlotVerdict, int]:
         """Whether one more request of ``lane`` may start, and how many could (0 unless granted).
 
-        The rule of ``Scheduler._admissible``, over counts the caller supplies (the whole
+        The rule of ``Lanes.admits`` (core/lanes.py), over counts the caller supplies (the whole
         cluster's, or this replica's alone): under quota and a slot free; or, for a lane
         that may borrow (within ``max_borrow``), a slot free that no other lane with queued
         work is owed. The Lua script ``acquire.lua`` implements the same rule; the contract

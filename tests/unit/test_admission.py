@@ -188,8 +188,8 @@ def test_lane_sjf_weight_overrides_the_global_one() -> None:
         long_job = submit(s, name, 0.1, 5.0)
         short_job = submit(s, name, 0.2, 0.5)
         assert long_job.outcome is short_job.outcome is Outcome.QUEUED
-    first_a = admitted(s.release(next(iter(s._inflight["a"].values())), 1.0))[0]
-    first_b = admitted(s.release(next(iter(s._inflight["b"].values())), 1.0))[0]
+    first_a = admitted(s.release(next(iter(s._lanes.inflight["a"].values())), 1.0))[0]
+    first_b = admitted(s.release(next(iter(s._lanes.inflight["b"].values())), 1.0))[0]
     assert first_a.job.output_tokens == 50  # lane a is shortest-first
     assert first_b.job.output_tokens == 500  # lane b is first come, first served
     assert policy.needs_body
@@ -642,8 +642,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     def every_ticket_is_in_exactly_one_state(self) -> None:
         if not hasattr(self, "s"):
             return
-        queued = {e.id for q in self.s._queues.values() for e in q.entries()}
-        inflight = {t for tickets in self.s._inflight.values() for t in tickets}
+        queued = {e.id for q in self.s._lanes.queues.values() for e in q.entries()}
+        inflight = {t for tickets in self.s._lanes.inflight.values() for t in tickets}
         assert not queued & inflight
         for ticket in self.tickets:
             assert ticket.state is self.expected[ticket.id], ticket
@@ -657,8 +657,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         if not hasattr(self, "s"):
             return
         for lane_cfg in self.policy.lanes:
-            if len(self.s._queues[lane_cfg.name]):
-                assert not self.s._admissible(lane_cfg), lane_cfg.name
+            if len(self.s._lanes.queues[lane_cfg.name]):
+                assert not self.s._lanes.admits(lane_cfg), lane_cfg.name
 
 
 SchedulerMachine.TestCase.settings = settings(

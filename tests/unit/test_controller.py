@@ -252,7 +252,7 @@ async def test_a_replica_reads_the_fleet_s_drain_rate_from_the_store() -> None:
     rate = b.machine._scheduler.drain_rate("a", clock[0])
     assert rate == pytest.approx(2.0, rel=0.15)
     assert sample(registry_b, "extproc_lane_drain_rate", lane="a") == pytest.approx(rate)
-    assert b.machine._scheduler._completions == {}  # nothing completed on B itself
+    assert b.machine._scheduler._returns._completions == {}  # nothing completed on B itself
     await a.stop()
     await b.stop()
     await a_ledger.close()

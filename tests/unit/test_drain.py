@@ -174,7 +174,7 @@ def test_a_booked_retry_claims_its_place_and_a_forged_one_gains_nothing() -> Non
     due = now + rejected.retry_after_ms / 1000
     # Meanwhile the lane moved on: slots freed and newer arrivals refilled the queue.
     later = now + 2
-    for ticket in list(s._inflight["a"].values()):
+    for ticket in list(s._lanes.inflight["a"].values()):
         s.release(ticket, later)
     while s.submit("a", "t", job(), later)[0].outcome is Outcome.QUEUED:
         pass
@@ -210,7 +210,7 @@ def test_a_claimed_return_displaces_only_its_own_tenants_entries() -> None:
     s, now = drained_scheduler(4.0, tenants={"header": "x-tenant", "weights": {"u": 100}})
     for _ in range(50):
         s.submit("a", "u", job(), now)
-    s._schedule.book("a", "t", now + 1, 1.0, first=0.0, now=now)  # t was told to come back now
+    s._returns._schedule.book("a", "t", now + 1, 1.0, first=0.0, now=now)  # t was told to come back now
     back, evicted = s.submit("a", "t", job(), now + 1, retry=True)
     # Its place is older than every u entry, but none of them is t's to give up.
     assert back.ticket.first is not None
@@ -222,7 +222,7 @@ def test_one_tenant_cannot_take_every_return() -> None:
     def booked_for_t(u_waits: bool) -> int:
         s, now = full_lane(retry_after={"max": 60, "share": 0.5}, tenants={"weights": {"t": 1, "u": 1}})
         if u_waits:
-            s._schedule.book("a", "u", now + 1, 1000.0, first=now, now=now)  # u holds a return too
+            s._returns._schedule.book("a", "u", now + 1, 1000.0, first=now, now=now)  # u holds a return too
         told = [s.submit("a", "t", job(), now)[0] for _ in range(200)]
         assert not told[-1].retry_allowed
         return sum(1 for d in told if d.retry_after_ms is not None)
@@ -318,7 +318,7 @@ def test_the_edge_lets_a_booked_retry_through_and_sheds_a_forged_one() -> None:
 
 def test_a_lane_idle_for_hours_keeps_its_pace_and_never_breaks_retry_after() -> None:
     s, now = drained_scheduler(rate_per_s=4.0)
-    for ticket in list(s._inflight["a"].values()):  # the lane empties, then idles for two hours
+    for ticket in list(s._lanes.inflight["a"].values()):  # the lane empties, then idles for two hours
         s.release(ticket, now)
     later = now + 7200
     assert s.drain_rate("a", later) == pytest.approx(4.0, rel=0.1)  # paused, not decayed

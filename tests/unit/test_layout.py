@@ -146,7 +146,8 @@ ALLOWED = {
 
 #: The core's parts only the core uses: everything else drives the one face, ``core/machine.py``.
 CORE_INSIDE = frozenset({"extproc.core.admission", "extproc.core.edge", "extproc.core.budget",
-                         "extproc.core.retry_budget", "extproc.core.queue", "extproc.core.drain"})
+                         "extproc.core.retry_budget", "extproc.core.queue", "extproc.core.drain",
+                         "extproc.core.lanes", "extproc.core.timers"})
 
 
 def test_every_part_is_in_the_table() -> None:

@@ -159,7 +159,7 @@ lane_specs = st.tuples(st.integers(1, 4), st.booleans(), st.one_of(st.none(), st
                 min_size=8, max_size=40))
 def test_the_rule_is_the_schedulers(specs: list[tuple[int, bool, int | None]], extra: int,
                                     steps: list[tuple[int, str]]) -> None:
-    """Limits.check over the scheduler's own counts agrees with Scheduler._admissible, always.
+    """Limits.check over the scheduler's own counts agrees with Lanes.admits, always.
 
     Pausing a lane makes its requests queue while it is under quota: that is what gives other
     lanes' borrowers slots they owe it.
@@ -195,7 +195,7 @@ def test_the_rule_is_the_schedulers(specs: list[tuple[int, bool, int | None]], e
             if lane.name in s.paused:
                 continue  # pausing is the scheduler's own business, not a limit
             verdict, free = limits.check(lane.name, inflight, queued)
-            assert bool(verdict) == s._admissible(lane), (lane.name, inflight, queued, verdict)
+            assert bool(verdict) == s._lanes.admits(lane), (lane.name, inflight, queued, verdict)
             assert (free > 0) == bool(verdict)
 
 
@@ -213,7 +213,7 @@ def test_a_borrower_is_refused_the_slots_a_paused_lanes_queue_is_owed_as_by_the_
     queued = {lane: v.queued for lane, v in views.items()}
     bulk = next(lane for lane in p.lanes if lane.name == "bulk")
     assert Limits.of(p).check("bulk", inflight, queued) == (SlotVerdict.OWED, 0)
-    assert not s._admissible(bulk)
+    assert not s._lanes.admits(bulk)
 
 
 # -- time by hand -----------------------------------------------------------------------------
