@@ -259,8 +259,8 @@ class _Request:
 
     # One of these is made per request: slots spare it an instance __dict__.
     __slots__ = ("arrival", "body", "client", "cls", "edge_shadow", "edge_shed", "head", "headers", "limits",
-                 "model", "outcome", "p", "raw_body", "reason", "remove", "request_id", "saturation",
-                 "shadow", "status", "ticket", "waiting_body")
+                 "model", "outcome", "p", "pending", "raw_body", "reason", "remove", "request_id",
+                 "saturation", "shadow", "status", "ticket", "waiting_body")
 
     def __init__(self, processor: ExternalProcessor) -> None:
         self.p = processor
@@ -296,6 +296,8 @@ class _Request:
         self.limits: list[tuple[str, str]] = _NO_LIMITS
         #: The edge shed it: the edge logged and counted it; no decision record of ext_proc's.
         self.edge_shed = False
+        #: A read begun while the request was held (ExternalProcessor._held), consumed before any new one.
+        self.pending: asyncio.Future[pb.ProcessingRequest | None] | None = None
         #: In the edge's shadow mode, what it would have done (for the access log), until sent.
         self.edge_shadow: str | None = None
 
@@ -592,59 +594,26 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         controller = self.controller
         aborted = True
         messages = aiter(request_iterator)
-        #: A read begun while the request was held (see _held), consumed before any new read.
-        pending: asyncio.Future[pb.ProcessingRequest | None] | None = None
         try:
             while True:
-                if request.waiting_body:
-                    got = await self._body(request, messages)
-                    if got is None:
-                        if request.waiting_body:  # the body did not come in time
-                            request.waiting_body = False
-                            yield request.refuse(controller.machine.body_timeout(request.client, id(request)),
-                                                 None)
-                        break
-                    message = got
-                elif pending is not None:
-                    read, pending = await pending, None
-                    if read is None:
-                        break
-                    message = read
-                else:
-                    try:
-                        message = await anext(messages)
-                    except StopAsyncIteration:
-                        break
+                message = await self._next(request, messages)
+                if message is None:
+                    if request.waiting_body:  # the body did not come in time
+                        request.waiting_body = False
+                        late = controller.machine.body_timeout(request.client, id(request))
+                        yield request.refuse(late, None)
+                    break
                 kind = message.WhichOneof("request")
-                if kind == "request_headers" and (request.head is not None or request.outcome is not None):
-                    # One request per stream: a second headers message (never sent by Envoy) must not
-                    # make a second ticket, which would leave the first one's slot behind.
-                    self.controller.metrics.stream_errors.labels("repeated_headers").inc()
-                    response = _passthrough(kind)
-                elif kind == "request_headers" and self.overload.max_delay > 0 and not self.overload.admit(
-                        _arrival(message.request_headers), time.time()):
+                if kind == "request_headers" and self.overload.max_delay > 0 and request.head is None \
+                        and request.outcome is None \
+                        and not self.overload.admit(_arrival(message.request_headers), time.time()):
                     # Beyond its decision rate: a prebuilt refusal, and no decision record (its cost is
                     # what the guard saves); counted, and logged once in a while.
                     request.outcome = Outcome.REJECTED
                     self._overloaded()
                     yield _OVERLOADED
                     break
-                elif kind == "request_headers":
-                    response = request.on_headers(message.request_headers, _client_of(message))
-                    if response is _JUDGE_EDGE:
-                        assert self.edge is not None
-                        assert request.head is not None
-                        head = request.head
-                        response = request.after_edge(
-                            await self.edge.judge_inline(request.edge_entries(), head.method, head.path))
-                elif kind == "request_body":
-                    if request.waiting_body:
-                        controller.machine.body_came(request.client, id(request))
-                    response = request.on_body(message.request_body)
-                elif kind == "response_headers":
-                    response = request.on_response_headers(message.response_headers)
-                else:
-                    response = _passthrough(kind)
+                response = await self._answer_to(request, kind, message)
                 if response is None:
                     decision = request.decide()
                     held = False
@@ -655,9 +624,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                                 # but the timeout from it. The final answer carries it.)
                                 yield request.hold(decision)
                                 held = True
-                            if pending is None:
-                                pending = asyncio.ensure_future(_next(messages))
-                            got = await self._held(decision, pending)
+                            got = await self._held(decision, request, messages)
                             if got is None:
                                 # The stream ended while the request was held: its client is gone
                                 # (finish() cancels the ticket, as for a reset).
@@ -680,6 +647,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
             structlog.get_logger("extproc").exception("ext_proc stream failed")
             raise
         finally:
+            pending = request.pending
             if pending is not None and not pending.done():
                 pending.cancel()
             # Runs on normal end, client reset (CancelledError) and errors alike.
@@ -694,6 +662,47 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                 raise
             self.linger.calm()
 
+    async def _next(self, request: _Request, messages: AsyncIterator[pb.ProcessingRequest]
+                    ) -> pb.ProcessingRequest | None:
+        """The stream's next message: the body awaited under its deadline, or the read begun while the
+        request was held, or a new read. None: the stream ended, or the body is late (then
+        ``request.waiting_body`` is still true)."""
+        if request.waiting_body:
+            return await self._body(request, messages)
+        pending = request.pending
+        if pending is not None:
+            request.pending = None
+            return await pending
+        try:
+            return await anext(messages)
+        except StopAsyncIteration:
+            return None
+
+    async def _answer_to(self, request: _Request, kind: str | None, message: pb.ProcessingRequest
+                         ) -> pb.ProcessingResponse | None:
+        """The answer to one message, or None when the request is to be decided now."""
+        if kind == "request_headers":
+            if request.head is not None or request.outcome is not None:
+                # One request per stream: a second headers message (never sent by Envoy) must not
+                # make a second ticket, which would leave the first one's slot behind.
+                self.controller.metrics.stream_errors.labels("repeated_headers").inc()
+                return _passthrough(kind)
+            response = request.on_headers(message.request_headers, _client_of(message))
+            if response is _JUDGE_EDGE:
+                assert self.edge is not None
+                assert request.head is not None
+                head = request.head
+                response = request.after_edge(
+                    await self.edge.judge_inline(request.edge_entries(), head.method, head.path))
+            return response
+        if kind == "request_body":
+            if request.waiting_body:
+                self.controller.machine.body_came(request.client, id(request))
+            return request.on_body(message.request_body)
+        if kind == "response_headers":
+            return request.on_response_headers(message.response_headers)
+        return _passthrough(kind)
+
     def _overloaded(self) -> None:
         controller = self.controller
         controller.metrics.intake_rejections.labels(Reason.OVERLOADED.value).inc()
@@ -704,7 +713,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                              refused=self.overload.take_refused(),
                              after_ms=round(self.overload.max_delay * 1000))
 
-    async def _held(self, decision: Decision, pending: asyncio.Future[pb.ProcessingRequest | None]
+    async def _held(self, decision: Decision, request: _Request, messages: AsyncIterator[pb.ProcessingRequest]
                     ) -> Decision | None:
         """Wait for a held request's slot, or for its stream to end first (None: the client left).
 
@@ -712,8 +721,11 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         envoy/envoy.yaml's layered_runtime) half-closes the stream of a request whose client went away
         and waits for extproc's status, rather than resetting it; nothing would cancel this wait, and
         the request would keep its place until admitted. The read is not cancelled when the slot
-        comes first (grpc.aio leaks a cancelled read, grpc/grpc#43360): the stream's next message is
-        taken from it."""
+        comes first (grpc.aio leaks a cancelled read, grpc/grpc#43360): it stays on the request, and
+        the stream's next message is taken from it."""
+        pending = request.pending
+        if pending is None:
+            pending = request.pending = asyncio.ensure_future(_next(messages))
         waiter = asyncio.ensure_future(self.controller.wait(decision.ticket))
         try:
             while not waiter.done():
