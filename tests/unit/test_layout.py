@@ -34,13 +34,14 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def imports_of(name: str) -> set[str]:
+def imports_of(name: str, *, type_checking: bool = False) -> set[str]:
+    """What module ``name`` imports (``type_checking``: with its ``if TYPE_CHECKING:`` imports)."""
     path = MODULES[name]
     found: set[str] = set()
 
     class Visitor(ast.NodeVisitor):
         def visit_If(self, node: ast.If) -> None:
-            if _is_type_checking(node.test):
+            if _is_type_checking(node.test) and not type_checking:
                 for child in node.orelse:
                     self.visit(child)
                 return
@@ -110,6 +111,10 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_module_imports_itself_through_others() -> None:
     assert _cycles(GRAPH) == []
+
+
+def test_no_import_circle_even_for_the_type_checker() -> None:
+    assert _cycles({name: imports_of(name, type_checking=True) for name in MODULES}) == []
 
 
 def test_no_package_cycle() -> None:
@@ -205,3 +210,41 @@ def test_every_metric_of_extproc_serve_is_declared_in_metrics_py() -> None:
     # The check sees declarations where they are.
     assert any(isinstance(n, ast.Call) and getattr(n.func, "id", "") == "Counter"
                for n in ast.walk(ast.parse(MODULES["extproc.metrics"].read_text())))
+
+
+#: Size as a symptom of a room doing several jobs: the most lines a class or a function may span in
+#: extproc/ (the generated api/ and the argparse builder excepted).
+MAX_CLASS_LINES = 400
+MAX_FUNCTION_LINES = 80
+SIZE_EXEMPT = frozenset({"extproc.cli:build_parser"})
+
+
+def _spans() -> list[tuple[str, str, int]]:
+    """(kind, module:qualified name, lines) of every class and function outside extproc/api."""
+    out: list[tuple[str, str, int]] = []
+    for name, path in MODULES.items():
+        if part(name) == "api":
+            continue
+
+        def walk(node: ast.AST, prefix: str, name: str = name) -> None:
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                    kind = "class" if isinstance(child, ast.ClassDef) else "function"
+                    assert child.end_lineno is not None
+                    out.append((kind, f"{name}:{prefix}{child.name}", child.end_lineno - child.lineno + 1))
+                    walk(child, f"{prefix}{child.name}.")
+                else:
+                    walk(child, prefix)
+
+        walk(ast.parse(path.read_text()), "")
+    return out
+
+
+def test_no_class_or_function_outgrows_one_job() -> None:
+    spans = _spans()
+    too_big = sorted(f"{what} {lines} lines" for kind, what, lines in spans if what not in SIZE_EXEMPT
+                     and lines > (MAX_CLASS_LINES if kind == "class" else MAX_FUNCTION_LINES))
+    assert too_big == []
+    # The measure sees what it measures: the largest class is sizeable, and the exemption exists.
+    assert max(lines for kind, _, lines in spans if kind == "class") > MAX_CLASS_LINES // 2
+    assert any(what in SIZE_EXEMPT for _, what, _ in spans)

@@ -19,8 +19,11 @@ class Feed:
     def __init__(self, sjf_weight: float = 4.0, weights: dict[str, float] | None = None) -> None:
         self.sjf_weight = sjf_weight
         self.weights = weights or {}
-        self.queue = LaneQueue(lambda tenant: self.weights.get(tenant, 1.0))
+        self.queue = LaneQueue(self.weight)
         self._ids = itertools.count(1)
+
+    def weight(self, tenant: str) -> float:
+        return self.weights.get(tenant, 1.0)
 
     def push(self, arrival: float, predicted: float, tenant: str = "t", deadline: float = FAR) -> Entry:
         entry = Entry(next(self._ids), tenant, arrival, deadline, predicted,
@@ -347,3 +350,24 @@ def test_work_stays_consistent_over_random_operations() -> None:
         assert len(feed.queue) == len(live)
         assert feed.queue.work == pytest.approx(sum(e.predicted for e in live), abs=1e-6)
         assert sum(feed.queue.tenants().values()) == len(live)
+
+
+def test_the_edge_s_fair_share_rule_is_the_queue_s_own() -> None:
+    """``core.edge.may_crowd`` (the edge, which sees only counts per tenant) says a full queue would take
+    a tenant exactly when ``LaneQueue.crowding`` finds an entry to push out for it."""
+    from extproc.core.edge import may_crowd
+
+    rng = random.Random(7)
+    outcomes: Counter[bool] = Counter()
+    for _ in range(3000):
+        weights = {t: rng.choice([0.5, 1.0, 2.0, 3.0]) for t in "abcd"}
+        feed = Feed(weights=weights)
+        for _ in range(rng.randint(1, 12)):
+            feed.push(rng.uniform(0, 10), rng.uniform(0.1, 5), tenant=rng.choice("abcd"))
+        tenant = rng.choice("abcde")
+        crowds = feed.queue.crowding(tenant) is not None
+        assert may_crowd(tenant, feed.queue.tenants(), feed.weight) is crowds
+        outcomes[crowds] += 1
+    # Both answers are exercised.
+    assert outcomes[True] > 100
+    assert outcomes[False] > 100
