@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry
 
 from extproc.controller import Controller
 from extproc.metrics import Metrics, RateLimitMetrics, SaturationCollector
-from extproc.operations import Admin
+from extproc.operations import Operations
 from extproc.policy.schema import Policy
 from extproc.policy.watcher import PolicyFile, ReloadResult
 from extproc.servers import admin as admin_http
@@ -101,7 +101,7 @@ class App:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.runner = web.AppRunner(http.build_app(registry, self.ready, token=settings.metrics_token,
                                                    hosts=allowed_hosts(settings.http)), access_log=None)
-        admin = Admin(controller, self.policy_file, signals=self.hub)
+        admin = Operations(controller, self.policy_file, signals=self.hub)
         self.admin_runner = None if settings.admin is None else web.AppRunner(
             admin_http.build_app(admin, settings.admin_token,
                                  allowed_hosts(settings.admin, settings.admin_hosts)), access_log=None)

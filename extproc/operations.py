@@ -28,7 +28,7 @@ def _count(value: float) -> int:
     return min(max(int(value), 0), _UINT32_MAX)
 
 
-class Admin:
+class Operations:
     def __init__(self, controller: Controller, policy_file: PolicyFile, *,
                  signals: SignalHub | None = None, clock: Callable[[], float] = time.time) -> None:
         self.controller = controller

@@ -25,9 +25,9 @@ import urllib.parse
 from collections.abc import Collection
 from typing import Annotated, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from extproc.policy.fields import Duration
+from extproc.policy.fields import Duration, Strict
 
 _NAME = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
 _METRIC = r"^[a-zA-Z_:][a-zA-Z0-9_:]{0,199}$"
@@ -73,10 +73,6 @@ PRESET_AGGREGATE: dict[Preset, Aggregate] = {
 }
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
-
-
 def _check_url(value: str) -> str:
     parts = urllib.parse.urlsplit(value)
     if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -93,7 +89,7 @@ def _check_url(value: str) -> str:
 Url = Annotated[str, Field(max_length=2048)]
 
 
-class PrometheusSource(_Strict):
+class PrometheusSource(Strict):
     """A Prometheus-compatible HTTP API (Prometheus, Thanos, Mimir, VictoriaMetrics …)."""
 
     url: Url
@@ -110,7 +106,7 @@ class PrometheusSource(_Strict):
         return value
 
 
-class ScrapeSource(_Strict):
+class ScrapeSource(Strict):
     """Model servers' own /metrics pages, read directly (for setups without Prometheus)."""
 
     targets: Annotated[tuple[Url, ...], Field(min_length=1, max_length=256)]
@@ -129,7 +125,7 @@ class ScrapeSource(_Strict):
         return value
 
 
-class Source(_Strict):
+class Source(Strict):
     """Exactly one of ``prometheus`` or ``scrape``."""
 
     prometheus: PrometheusSource | None = None
@@ -158,7 +154,7 @@ class Source(_Strict):
         return config.timeout
 
 
-class Signal(_Strict):
+class Signal(Strict):
     """One number read from a source. A prometheus source needs ``query``; a scrape source
     needs ``metric`` or ``preset`` (plus optional ``labels`` to match and ``aggregate``).
 
@@ -269,7 +265,7 @@ class Signal(_Strict):
         return PRESET_AGGREGATE[self.preset] if self.preset is not None else "max"
 
 
-class SaturationRule(_Strict):
+class SaturationRule(Strict):
     """Active once the signal is above ``above``; inactive again only once it is below ``below``
     and the rule has been active for ``min_active``. A rule with neither ``shed`` nor ``shrink``
     only reports (a dry run, to watch before enforcing)."""
@@ -290,7 +286,7 @@ class SaturationRule(_Strict):
         return self.below if self.below is not None else self.above
 
 
-class Signals(_Strict):
+class Signals(Strict):
     sources: dict[Name, Source] = Field(default_factory=dict)
     read: dict[Name, Signal] = Field(default_factory=dict)
     saturation: tuple[SaturationRule, ...] = ()

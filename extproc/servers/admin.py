@@ -29,7 +29,7 @@ from aiohttp.typedefs import Middleware
 
 from extproc.api.admin.v1 import admin_pb2 as pb
 from extproc.api.document import to_document
-from extproc.operations import Admin, reload_response
+from extproc.operations import Operations, reload_response
 
 log = structlog.get_logger("extproc.admin")
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -74,7 +74,7 @@ def _auth(token: str | None, paths: frozenset[str] | None = None) -> Middleware:
     return middleware
 
 
-def build_app(admin: Admin, token: str | None, hosts: frozenset[str] | None = None) -> web.Application:
+def build_app(admin: Operations, token: str | None, hosts: frozenset[str] | None = None) -> web.Application:
     async def state(_: web.Request) -> web.Response:
         return web.json_response(to_document(admin.state()))
 

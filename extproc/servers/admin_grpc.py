@@ -26,14 +26,14 @@ import structlog
 
 from extproc.api.admin.v1 import admin_pb2 as pb
 from extproc.api.admin.v1 import admin_pb2_grpc as pb_grpc
-from extproc.operations import Admin, reload_response
+from extproc.operations import Operations, reload_response
 
 log = structlog.get_logger("extproc.admin")
 SERVICE = "extproc.api.admin.v1.Admin"
 
 
 class AdminService(pb_grpc.AdminServicer):
-    def __init__(self, admin: Admin) -> None:
+    def __init__(self, admin: Operations) -> None:
         self.admin = admin
 
     async def GetState(self, request: pb.GetStateRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -108,7 +108,7 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return await continuation(details)
 
 
-def build_server(admin: Admin, token: str | None) -> grpc.aio.Server:
+def build_server(admin: Operations, token: str | None) -> grpc.aio.Server:
     server = grpc.aio.server(interceptors=[Guard(token)],
                              options=[("grpc.max_receive_message_length", 64 * 1024)])
     pb_grpc.add_AdminServicer_to_server(AdminService(admin), server)  # type: ignore[no-untyped-call]

@@ -27,17 +27,17 @@ from pydantic import BaseModel, ConfigDict, Field
 from extproc.policy.fields import Duration
 
 
-class _Strict(BaseModel):
+class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class Burst(_Strict):
+class Burst(_Spec):
     at: Duration
     duration: Annotated[Duration, Field(gt=0)]
     multiplier: Annotated[float, Field(gt=0)]
 
 
-class Arrivals(_Strict):
+class Arrivals(_Spec):
     process: Literal["poisson", "gamma", "uniform"] = "poisson"
     rate: Annotated[float, Field(gt=0)]
     """Mean requests per second (before bursts)."""
@@ -46,7 +46,7 @@ class Arrivals(_Strict):
     bursts: tuple[Burst, ...] = ()
 
 
-class Lengths(_Strict):
+class Lengths(_Spec):
     kind: Literal["chatbot", "sharegpt", "fixed"] = "chatbot"
     short_output: Annotated[int, Field(ge=1)] = 50
     long_output: Annotated[int, Field(ge=1)] = 2000
@@ -58,12 +58,12 @@ class Lengths(_Strict):
     max_output: Annotated[int, Field(ge=1)] = 4096
 
 
-class Slo(_Strict):
+class SloSpec(_Spec):
     ttft: Annotated[Duration, Field(gt=0)] = 2.0
     e2e: Annotated[Duration, Field(gt=0)] = 120.0
 
 
-class TrafficClass(_Strict):
+class TrafficClass(_Spec):
     name: str
     """The lane this traffic is meant for (reported per class)."""
     share: Annotated[float, Field(gt=0)] = 1.0
@@ -77,14 +77,14 @@ class TrafficClass(_Strict):
     ``tenant_header`` as a plain client header (which a gateway that strips it ignores)."""
     tenant_header: str = "x-extproc-client"
     lengths: Lengths | None = None
-    slo: Slo = Field(default_factory=Slo)
+    slo: SloSpec = Field(default_factory=SloSpec)
     stream: bool = True
     include_usage: bool = True
     """A streamed request asks for its usage (``stream_options.include_usage``); the OpenAI SDKs
     do not unless told to."""
 
 
-class Client(_Strict):
+class Client(_Spec):
     """Client retry behaviour. ``openai`` mimics the OpenAI SDKs' defaults."""
 
     kind: Literal["openai", "none"] = "openai"
@@ -95,7 +95,7 @@ class Client(_Strict):
     timeout: Annotated[Duration, Field(gt=0)] = 600.0
 
 
-class WorkloadSpec(_Strict):
+class WorkloadSpec(_Spec):
     model: str = "sim-model"
     arrivals: Arrivals
     lengths: Lengths = Field(default_factory=Lengths)

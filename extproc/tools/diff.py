@@ -41,7 +41,7 @@ _DEEP_CUT = 0.5
 
 
 @dataclass(frozen=True, slots=True)
-class Change:
+class Difference:
     section: str
     """The top-level policy key it belongs to (``lanes``, ``capacity``, …)."""
     path: str
@@ -51,7 +51,7 @@ class Change:
 
 @dataclass(frozen=True, slots=True)
 class PolicyDiff:
-    changes: tuple[Change, ...]
+    changes: tuple[Difference, ...]
     risks: tuple[str, ...]
 
     @property
@@ -121,8 +121,8 @@ class _Where:
         sep = "" if self.label.endswith(": ") else "."
         return _Where(self.section, f"{self.path}.{key}", f"{self.label}{sep}{key}")
 
-    def change(self, text: str) -> Change:
-        return Change(self.section, self.path, f"{self.label.removesuffix(': ')}{text}")
+    def change(self, text: str) -> Difference:
+        return Difference(self.section, self.path, f"{self.label.removesuffix(': ')}{text}")
 
 
 def _named(items: tuple[Any, ...]) -> bool:
@@ -134,7 +134,7 @@ def _plain(items: tuple[Any, ...]) -> bool:
     return all(isinstance(i, str | int | float | bool) for i in items)
 
 
-def _compare(old: object, new: object, where: _Where, info: FieldInfo | None = None) -> Iterator[Change]:
+def _compare(old: object, new: object, where: _Where, info: FieldInfo | None = None) -> Iterator[Difference]:
     if old == new:
         return
     if isinstance(old, BaseModel) and isinstance(new, BaseModel) and type(old) is type(new):
@@ -185,7 +185,7 @@ def _compare(old: object, new: object, where: _Where, info: FieldInfo | None = N
         yield where.change(f" {_fmt(old, info)} → {_fmt(new, info)}{_pct(old, new, info)}")
 
 
-def compare(old: BaseModel, new: BaseModel, section: str) -> list[Change]:
+def compare(old: BaseModel, new: BaseModel, section: str) -> list[Difference]:
     """Field-by-field differences of two values of one model type, as lines under ``section``."""
     return list(_compare(old, new, _Where(section, section, section)))
 
@@ -214,32 +214,33 @@ def _renames(a: Policy, b: Policy) -> dict[str, str]:
     return out
 
 
-def _lanes(a: Policy, b: Policy, renames: dict[str, str]) -> Iterator[Change]:
+def _lanes(a: Policy, b: Policy, renames: dict[str, str]) -> Iterator[Difference]:
     before = {lane.name: lane for lane in a.lanes}
     after = {lane.name: lane for lane in b.lanes}
     for name, lane in before.items():
         if name in renames:
             new = renames[name]
             same = _differences(lane, after[new]) == 0
-            yield Change("lanes", f"lanes.{new}", f"{name} → {new}: looks renamed"
+            yield Difference("lanes", f"lanes.{new}", f"{name} → {new}: looks renamed"
                          + (" (same settings)" if same else " (other changes below)"))
             yield from _compare(lane.model_copy(update={"name": new}), after[new],
                                 _Where("lanes", f"lanes.{new}", f"{new}: "))
         elif name not in after:
-            yield Change("lanes", f"lanes.{name}", f"{name} removed ({summary(lane)})")
+            yield Difference("lanes", f"lanes.{name}", f"{name} removed ({summary(lane)})")
         else:
             yield from _compare(lane, after[name], _Where("lanes", f"lanes.{name}", f"{name}: "))
     for name, lane in after.items():
         if name not in before and name not in renames.values():
-            yield Change("lanes", f"lanes.{name}", f"{name} added ({summary(lane)})")
+            yield Difference("lanes", f"lanes.{name}", f"{name} added ({summary(lane)})")
     order_a = [renames.get(lane.name, lane.name) for lane in _by_priority(a)]
     order_b = [lane.name for lane in _by_priority(b)]
     common = set(order_a) & set(order_b)
     order_a = [n for n in order_a if n in common]
     order_b = [n for n in order_b if n in common]
     if order_a != order_b:
-        yield Change("lanes", "lanes.order", f"priority order {' > '.join(order_a)} → {' > '.join(order_b)} "
-                     "(queued work of higher lanes gets freed slots first)")
+        yield Difference("lanes", "lanes.order",
+                         f"priority order {' > '.join(order_a)} → {' > '.join(order_b)} "
+                         "(queued work of higher lanes gets freed slots first)")
 
 
 def _by_priority(policy: Policy) -> list[Lane]:
@@ -259,7 +260,7 @@ def _keyed_rules(rules: Sequence[Rule]) -> dict[str, tuple[int, Rule]]:
     return out
 
 
-def _rules(a: Policy, b: Policy, renames: dict[str, str]) -> Iterator[Change]:
+def _rules(a: Policy, b: Policy, renames: dict[str, str]) -> Iterator[Difference]:
     before = _keyed_rules(a.classification.rules)
     after = _keyed_rules(b.classification.rules)
     for key, (_, rule) in before.items():
@@ -277,25 +278,25 @@ def _rules(a: Policy, b: Policy, renames: dict[str, str]) -> Iterator[Change]:
     for key, (i, rule) in after.items():
         if key not in before:
             what = f" ({describe_match(rule.match)} → {rule.lane})" if rule.name else ""
-            yield Change("classification", f"classification.rules.{key}",
+            yield Difference("classification", f"classification.rules.{key}",
                          f"rule {key} added as rules[{i}]{what}")
     order_a = [k for k in before if k in after]
     order_b = [k for k in after if k in before]
     if order_a != order_b:
-        yield Change("classification", "classification.rules.order",
+        yield Difference("classification", "classification.rules.order",
                      f"rules reordered (the first match wins): {', '.join(order_a)} → {', '.join(order_b)}")
 
 
 # -- the whole diff -------------------------------------------------------------------------------------
 
 
-def _derived(a: Policy, b: Policy) -> Iterator[Change]:
+def _derived(a: Policy, b: Policy) -> Iterator[Difference]:
     if a.total_capacity != b.total_capacity and None in (a.capacity.max_inflight, b.capacity.max_inflight):
         old, new = a.total_capacity, b.total_capacity
-        yield Change("capacity", "capacity.total", f"total slots {old} → {new}{_pct(old, new)}; where "
+        yield Difference("capacity", "capacity.total", f"total slots {old} → {new}{_pct(old, new)}; where "
                      "capacity.max_inflight is unset, it is the lanes' max_inflight summed")
     if a.needs_body != b.needs_body:
-        yield Change("estimation", "estimation.reads_body",
+        yield Difference("estimation", "estimation.reads_body",
                      "request bodies are now read (one buffered body round per request)" if b.needs_body
                      else "request bodies are no longer read (every request is sized as default_max_tokens)")
 
@@ -303,7 +304,7 @@ def _derived(a: Policy, b: Policy) -> Iterator[Change]:
 def diff(a: Policy, b: Policy) -> PolicyDiff:
     """Every difference from ``a`` to ``b`` in words, and the risky ones again as risks."""
     renames = _renames(a, b)
-    changes: list[Change] = []
+    changes: list[Difference] = []
     for name, field in type(a).model_fields.items():
         old, new = getattr(a, name), getattr(b, name)
         if name == "lanes":

@@ -459,7 +459,7 @@ class FetchError(Exception):
     """The state could not be read; the message is for the operator as it stands."""
 
 
-class Source(Protocol):
+class StateSource(Protocol):
     """Where the state comes from; ``state`` raises FetchError and nothing else of its own."""
 
     async def state(self) -> pb.State: ...
@@ -615,7 +615,7 @@ def _cbreak(fd: int | None) -> Iterator[None]:
             termios.tcsetattr(fd, termios.TCSAFLUSH, saved)
 
 
-async def _live(source: Source, name: str, out: TextIO, keys: int | None, *, interval: float,
+async def _live(source: StateSource, name: str, out: TextIO, keys: int | None, *, interval: float,
                 ascii: bool) -> int:
     loop = asyncio.get_running_loop()
     stop, now = asyncio.Event(), asyncio.Event()
@@ -739,7 +739,7 @@ def _token(args: argparse.Namespace) -> str | None:
     return os.environ.get(TOKEN_ENV, "").strip() or None
 
 
-def _source(args: argparse.Namespace, token: str | None) -> tuple[Source, str]:
+def _source(args: argparse.Namespace, token: str | None) -> tuple[StateSource, str]:
     if args.grpc:
         name = str(Address.parse(args.grpc))
         return GrpcSource(name, token, args.timeout), name
@@ -747,7 +747,7 @@ def _source(args: argparse.Namespace, token: str | None) -> tuple[Source, str]:
     return HttpSource(url, name, token, args.timeout), name
 
 
-async def _once(source: Source) -> pb.State:
+async def _once(source: StateSource) -> pb.State:
     try:
         return await source.state()
     finally:
