@@ -89,7 +89,12 @@ async def measure(n: int) -> dict[str, float]:
     controller.start()
     processor = ExternalProcessor(controller)
     edge_metrics = RateLimitMetrics(registry, metrics.saturation_rejections)
-    edge = RateLimitService(controller.machine, edge_metrics, lambda: controller.policy.ratelimit)
+    machine = getattr(controller, "machine", None)
+    if machine is None:  # a checkout from before the decision machine: the edge read the scheduler
+        from extproc.servers.ratelimit import ControllerPressure  # type: ignore[attr-defined]
+
+        machine = ControllerPressure(controller)
+    edge = RateLimitService(machine, edge_metrics, lambda: controller.policy.ratelimit)
     loop = asyncio.get_running_loop()
 
     async def stream(sent: list[Any]) -> AsyncIterator[Any]:
