@@ -294,7 +294,8 @@ class Controller:
             future = self._waiters.get(decision.ticket.id)
             if future is not None and not future.done():
                 future.set_result(decision)
-        self._update_idle()
+        if self._idle is not None:
+            self._update_idle()
 
     def _update_idle(self) -> None:
         if self._idle is None:

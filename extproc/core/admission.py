@@ -54,10 +54,6 @@ class Scheduler:
     # -- configuration ------------------------------------------------------------
 
     @property
-    def policy(self) -> Policy:
-        return self._lanes.policy
-
-    @property
     def permit(self) -> Callable[[float], bool] | None:
         """Reserves a retry in the retry budget for a rejection that lets its client retry; False:
         no room (None: no budget)."""
@@ -76,6 +72,8 @@ class Scheduler:
         that shrink take effect as slots free: nothing running is cut short.
         """
         self._lanes.configure(policy)
+        #: The policy in force (an attribute, not a property: read several times per decision).
+        self.policy = policy
         self.estimator.reconfigure(policy.estimation)
         self._returns.forget(self._lanes.configs)
         self._returns.reweigh()

@@ -103,6 +103,9 @@ class Machine:
         self.auto = AutoLimit(auto, policy.signals, now) if auto is not None else None
         self.fleet_managed = fleet_managed
         self._scheduler = Scheduler(self._sized(), rng, permit=self.permit_retry)
+        #: The policy in force: with ``max_inflight: auto``, sized at the current fleet limit (an
+        #: attribute, as the scheduler's: read several times per request).
+        self.policy = self._scheduler.policy
         self._retry_budget = RetryBudget.of(policy.retry_budget)
         self.saturation = Saturation(policy.signals)
         self.intake = Intake(policy, self._scheduler.estimator)
@@ -113,11 +116,6 @@ class Machine:
         self._fleet_rate = FleetRate()
 
     # -- the policy in force ------------------------------------------------------------------
-
-    @property
-    def policy(self) -> Policy:
-        """The policy in force: with ``max_inflight: auto``, sized at the current fleet limit."""
-        return self._scheduler.policy
 
     def _sized(self) -> Policy:
         if self.auto is None or not self.base.auto_capacity:
@@ -136,6 +134,7 @@ class Machine:
         else:
             self.auto.reconfigure(auto, policy.signals, now)
         out = self._scheduler.reconfigure(self._sized(), now)
+        self.policy = self._scheduler.policy
         self._retry_budget.reconfigure(policy.retry_budget)
         # Rules may have been added, removed or retargeted: re-derive every lane's effect.
         self.saturation.reconfigure(policy.signals)
@@ -154,7 +153,9 @@ class Machine:
         self.auto.adopt(limit)
         if not self.base.auto_capacity or self.policy.total_capacity == self.auto.limit:
             return []
-        return self._scheduler.reconfigure(self._sized(), now)
+        out = self._scheduler.reconfigure(self._sized(), now)
+        self.policy = self._scheduler.policy
+        return out
 
     # -- a request ------------------------------------------------------------------------------
 

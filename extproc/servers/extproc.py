@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -481,6 +481,9 @@ class _Request:
 
     def finish(self, *, aborted: bool) -> None:
         """Release the slot (exactly once) and write the request's one decision record."""
+        pending = self.pending
+        if pending is not None and not pending.done():
+            pending.cancel()
         ticket = self.ticket
         controller = self.p.controller
         service_ms: int | None = None
@@ -596,7 +599,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         messages = aiter(request_iterator)
         try:
             while True:
-                message = await self._next(request, messages)
+                # (The usual case inline: a coroutine per message shows in the profile.)
+                message = await (self._next(request, messages) if request.waiting_body or request.pending
+                                 else anext(messages, None))
                 if message is None:
                     if request.waiting_body:  # the body did not come in time
                         request.waiting_body = False
@@ -604,16 +609,13 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                         yield request.refuse(late, None)
                     break
                 kind = message.WhichOneof("request")
-                if kind == "request_headers" and self.overload.max_delay > 0 and request.head is None \
-                        and request.outcome is None \
-                        and not self.overload.admit(_arrival(message.request_headers), time.time()):
-                    # Beyond its decision rate: a prebuilt refusal, and no decision record (its cost is
-                    # what the guard saves); counted, and logged once in a while.
-                    request.outcome = Outcome.REJECTED
-                    self._overloaded()
+                if kind == "request_headers" and self.overload.max_delay > 0 \
+                        and self._too_late(request, message):
                     yield _OVERLOADED
                     break
-                response = await self._answer_to(request, kind, message)
+                response = self._answer_to(request, kind, message)
+                if response is _JUDGE_EDGE:
+                    response = request.after_edge(await self._judge_edge(request))
                 if response is None:
                     decision = request.decide()
                     held = False
@@ -647,20 +649,33 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
             structlog.get_logger("extproc").exception("ext_proc stream failed")
             raise
         finally:
-            pending = request.pending
-            if pending is not None and not pending.done():
-                pending.cancel()
             # Runs on normal end, client reset (CancelledError) and errors alike.
             request.finish(aborted=aborted)
         if self.linger.wanted():
-            try:
-                for _ in range(Linger.YIELDS):
-                    await asyncio.sleep(0)
-            except asyncio.CancelledError:
-                self.linger.cut()
-                controller.metrics.resets_after_close.inc()
-                raise
-            self.linger.calm()
+            await self._linger()
+
+    async def _linger(self) -> None:
+        """A few turns of the event loop before the final status (see ``Linger``)."""
+        try:
+            for _ in range(Linger.YIELDS):
+                await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            self.linger.cut()
+            self.controller.metrics.resets_after_close.inc()
+            raise
+        self.linger.calm()
+
+    def _too_late(self, request: _Request, message: pb.ProcessingRequest) -> bool:
+        """Whether a request's first message came beyond extproc's decision rate (``OverloadGuard``): it
+        then gets a prebuilt refusal, and no decision record (its cost is what the guard saves);
+        counted, and logged once in a while."""
+        if request.head is not None or request.outcome is not None:
+            return False
+        if self.overload.admit(_arrival(message.request_headers), time.time()):
+            return False
+        request.outcome = Outcome.REJECTED
+        self._overloaded()
+        return True
 
     async def _next(self, request: _Request, messages: AsyncIterator[pb.ProcessingRequest]
                     ) -> pb.ProcessingRequest | None:
@@ -678,23 +693,23 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         except StopAsyncIteration:
             return None
 
-    async def _answer_to(self, request: _Request, kind: str | None, message: pb.ProcessingRequest
-                         ) -> pb.ProcessingResponse | None:
-        """The answer to one message, or None when the request is to be decided now."""
+    def _judge_edge(self, request: _Request) -> Awaitable[rls_pb2.RateLimitResponse | None]:
+        """The edge's judgement of the request's arrival, in process (the call itself, to be awaited)."""
+        assert self.edge is not None
+        assert request.head is not None
+        return self.edge.judge_inline(request.edge_entries(), request.head.method, request.head.path)
+
+    def _answer_to(self, request: _Request, kind: str | None, message: pb.ProcessingRequest
+                   ) -> pb.ProcessingResponse | None:
+        """The answer to one message; None when the request is to be decided now, ``_JUDGE_EDGE`` when
+        the edge is to judge it first."""
         if kind == "request_headers":
             if request.head is not None or request.outcome is not None:
                 # One request per stream: a second headers message (never sent by Envoy) must not
                 # make a second ticket, which would leave the first one's slot behind.
                 self.controller.metrics.stream_errors.labels("repeated_headers").inc()
                 return _passthrough(kind)
-            response = request.on_headers(message.request_headers, _client_of(message))
-            if response is _JUDGE_EDGE:
-                assert self.edge is not None
-                assert request.head is not None
-                head = request.head
-                response = request.after_edge(
-                    await self.edge.judge_inline(request.edge_entries(), head.method, head.path))
-            return response
+            return request.on_headers(message.request_headers, _client_of(message))
         if kind == "request_body":
             if request.waiting_body:
                 self.controller.machine.body_came(request.client, id(request))
