@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from prometheus_client import CollectorRegistry
 
 from extproc.controller import Controller
-from extproc.core.classify import Classification
+from extproc.core.classify import Classification, Classifier, RequestFacts
 from extproc.core.decision import Outcome, Reason
 from extproc.core.estimate import Job
 from extproc.metrics import Metrics
@@ -560,3 +561,40 @@ def test_command_rejects_bad_numbers(argv: list[str], capsys: pytest.CaptureFixt
         run([str(EXAMPLES / "policy.yaml"), "--path", "/", *argv], capsys)
     assert exc.value.code == 2
     assert "expected" in capsys.readouterr().err
+
+
+def test_the_words_for_an_unmet_rule_agree_with_the_classifier() -> None:
+    """``_unmet`` (explain's words for why a rule does not match) finds nothing exactly when the
+    classifier itself matches the rule, over random rules and requests."""
+    rng = random.Random(11)
+    matched = unmet = 0
+    for _ in range(2000):
+        match: dict[str, Any] = {}
+        if rng.random() < 0.4:
+            match[rng.choice(["path", "path_prefix", "path_regex"])] = rng.choice(
+                ["/v1/chat/completions", "/v1/", "/v1/(chat/)?completions"])
+        if rng.random() < 0.4:
+            match["methods"] = rng.sample(["POST", "GET", "PUT"], rng.randint(1, 2))
+        if rng.random() < 0.4:
+            match["headers"] = {"x-team": rng.sample(["a", "b", "c"], rng.randint(1, 2))}
+        if rng.random() < 0.3:
+            match["models"] = rng.sample(["m1", "m2"], 1)
+        if rng.random() < 0.3:
+            match["tenants"] = rng.sample(["acme", "anon"], 1)
+        policy = small_policy([{"name": "a", "max_inflight": 1, "deadline": "1s"},
+                               {"name": "b", "max_inflight": 1, "deadline": "1s"}],
+                              classification={"default_lane": "b", "rules": [{"match": match, "lane": "a"}]},
+                              trusted_headers=["x-team", "x-tenant"], tenants={"header": "x-tenant"})
+        headers = {k: v for k, v in (("x-team", rng.choice(["a", "b", "z", None])),
+                                     ("x-tenant", rng.choice(["acme", None]))) if v is not None}
+        facts = RequestFacts(method=rng.choice(["POST", "GET", "post"]),
+                             path=rng.choice(["/v1/chat/completions", "/v1/completions", "/v2/x",
+                                              "/v1/chat/completions/"]),
+                             headers=headers, model=rng.choice(["m1", "m2", None]))
+        classified = Classifier(policy).classify(facts)
+        words = ex._unmet(policy.classification.rules[0].match, facts, classified.tenant)
+        assert (words == []) is (classified.lane == "a"), (match, facts, words)
+        matched += classified.lane == "a"
+        unmet += classified.lane != "a"
+    assert matched > 200
+    assert unmet > 200
