@@ -135,6 +135,7 @@ class App:
             since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(policy_file.stale_since))
             first = policy_file.last_error[0] if policy_file.last_error else "unknown problem"
             notes.append(f"policy file invalid since {since}, previous policy in force ({first})")
+        notes += _capacity_notes(self.controller)
         return True, "; ".join(["serving", *notes])
 
     async def start(self) -> None:
@@ -284,3 +285,18 @@ async def serve(settings: Settings, policy: Policy, stop: asyncio.Event | None =
         await stop.wait()
     finally:
         await app.stop()
+
+
+def _capacity_notes(controller: Controller) -> list[str]:
+    """What readiness says of a self-sized limit that cannot follow the engines (still ready: the last
+    limit, or its min, keeps deciding)."""
+    auto = controller.machine.auto
+    if auto is None:
+        return []
+    state = auto.state()
+    notes = []
+    if state.stale:
+        notes.append(f"capacity signals stale: limit {state.limit} held, then decaying to min {state.min}")
+    if state.unreachable:
+        notes.append(f"capacity latency target unreachable ({state.unreachable}): limit at min {state.min}")
+    return notes

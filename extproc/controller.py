@@ -63,6 +63,8 @@ class Controller:
             if ledger is not None or budgets is not None else None
         metrics.watch(self.lanes, lambda: self.machine.draining, lambda: self.view,
                       lambda: self.machine.drain_rates(self.now()), lambda: self.machine.bookings(self.now()))
+        self._capacity_changed()
+        self._capacity_sources()
 
     @property
     def policy(self) -> Policy:
@@ -156,14 +158,31 @@ class Controller:
 
     def _capacity_changed(self) -> None:
         auto = self.machine.auto
+        metrics = self.metrics
         if auto is None:
+            metrics.capacity_bounds.clear()
+            metrics.capacity_sources.clear()
             return
         self._limits_changed()
         state = auto.state()
         mode = "enforce" if self.machine.base.auto_capacity else "shadow"
-        self.metrics.capacity_limit.labels(mode).set(state.limit)
-        self.metrics.capacity_stale.set(1 if state.stale else 0)
-        self.metrics.capacity_unreachable.set(1 if state.unreachable else 0)
+        metrics.capacity_limit.labels(mode).set(state.limit)
+        metrics.capacity_stale.set(1 if state.stale else 0)
+        metrics.capacity_unreachable.set(1 if state.unreachable else 0)
+        metrics.capacity_bounds.labels("min").set(state.min)
+        metrics.capacity_bounds.labels("max").set(state.max)
+
+    def _capacity_sources(self) -> None:
+        """Which signal sources feed the self-sized limit (after every policy swap)."""
+        metrics, base = self.metrics, self.machine.base
+        metrics.capacity_sources.clear()
+        auto = base.capacity.auto
+        if auto is None:
+            return
+        for name in auto.signals.model_dump().values():
+            signal = base.signals.read.get(name) if name else None
+            if signal is not None:
+                metrics.capacity_sources.labels(signal.source).set(1)
 
     def _limits_changed(self) -> None:
         if self.fleet is not None:
@@ -174,6 +193,8 @@ class Controller:
         """Swap in a new policy at once; queued work it lets start is admitted."""
         self._settle(self.machine.reconfigure(policy, self.now()))
         self._limits_changed()
+        self._capacity_changed()
+        self._capacity_sources()
         for listener in self.on_reconfigure:
             listener(policy)
         self._wake.set()

@@ -261,6 +261,16 @@ class Metrics:
             "extproc_capacity_target_unreachable", "1 while a latency target is not met even at the limit's "
             "min (the limit stays at min).", registry=registry,
         )
+        self.capacity_bounds = Gauge(
+            "extproc_capacity_limit_bounds", "The self-sized limit's bounds (capacity.auto min and max): a "
+            "limit held at its min for long is one the engines' signals keep down, or stale ones decayed.",
+            ["bound"], registry=registry,
+        )
+        self.capacity_sources = Gauge(
+            "extproc_capacity_source", "1 for each signal source (signals.sources) that feeds the self-sized "
+            "limit: its scrape targets' extproc_scrape_target_up says whether the limit can see.",
+            ["source"], registry=registry,
+        )
 
     def rejection_counts(self) -> dict[str, dict[str, int]]:
         """Rejections since start, by lane and reason (for the admin state document)."""

@@ -304,6 +304,18 @@ def test_prometheus_config_is_valid() -> None:
     result = subprocess.run([tool("promtool"), "check", "config", str(ROOT / "compose" / "prometheus.yml")],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+    # (promtool checks the rule files the config loads too.)
+    assert "rules.yml" in result.stdout + result.stderr
+
+
+def test_the_compose_prometheus_loads_the_shipped_alert_rules() -> None:
+    """compose/rules.yml is istio/base/prometheusrule.yaml's groups, so the demo's Prometheus evaluates
+    the alerts a cluster gets. To regenerate: python -c 'import yaml; from pathlib import Path;
+    g = yaml.safe_load(Path("istio/base/prometheusrule.yaml").read_text())["spec"]["groups"];
+    print(yaml.safe_dump({"groups": g}, sort_keys=False, width=100))' (keep the comment at its top)."""
+    shipped = yaml.safe_load((ROOT / "istio" / "base" / "prometheusrule.yaml").read_text())["spec"]["groups"]
+    assert yaml.safe_load((ROOT / "compose" / "rules.yml").read_text()) == {"groups": shipped}
+    assert yaml.safe_load((ROOT / "compose" / "prometheus.yml").read_text())["rule_files"] == ["rules.yml"]
 
 
 def test_dockerfile_copies_files_that_exist() -> None:

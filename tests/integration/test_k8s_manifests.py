@@ -1419,7 +1419,8 @@ def test_alert_rules_pass_promtool(rendered: Rendered, tmp_path: Path) -> None:
     alerts = {r["alert"] for g in rule_groups(rendered["base"]) for r in g["rules"] if "alert" in r}
     assert {"InferenceQueueWaitP95High", "InferenceRejectionsRising", "InferenceKVCacheSaturated",
             "InferencePendingRequestsGrowing", "ExtprocPolicyReloadFailing", "ExtprocSignalStale",
-            "ExtprocStoreDegraded"} <= alerts
+            "ExtprocStoreDegraded", "ExtprocCapacitySignalsStale", "ExtprocCapacityScrapeDown",
+            "ExtprocCapacityTargetUnreachable", "ExtprocCapacityAtMinimum"} <= alerts
 
 
 #: Synthetic series (one sample a minute) and the alerts they must raise, no more, no fewer.
@@ -1503,6 +1504,38 @@ ALERT_CASES: dict[str, tuple[dict[str, str], str, list[dict[str, str]]]] = {
         'extproc_store_degraded{namespace="extproc",pod="c"}': "0x5 1 0x20",
         'extproc_store_degraded{namespace="extproc",pod="d"}': "0x25",
     }, "15m", [{"namespace": "extproc", "pod": "a", "severity": "warning"}]),
+    "ExtprocCapacitySignalsStale": ({
+        # Pod a's limit has been blind for 10 minutes; pod b's for 3 (still pending: `for: 5m`).
+        'extproc_capacity_signals_stale{namespace="extproc",pod="a"}': "0x5 1x20",
+        'extproc_capacity_signals_stale{namespace="extproc",pod="b"}': "0x12 1x20",
+    }, "15m", [{"namespace": "extproc", "pod": "a", "severity": "warning"}]),
+    "ExtprocCapacityScrapeDown": ({
+        # Pod a cannot fetch the engine target its limit reads; it also cannot fetch a Kueue target,
+        # but no signal of the limit comes from that source.
+        'extproc_scrape_target_up{namespace="extproc",pod="a",source="engines",target="http://e1:8000/metrics"}':
+            "1x5 0x20",
+        'extproc_scrape_target_up{namespace="extproc",pod="a",source="engines",target="http://e2:8000/metrics"}':
+            "1x25",
+        'extproc_scrape_target_up{namespace="extproc",pod="a",source="kueue",target="http://k:8080/metrics"}':
+            "0x25",
+        'extproc_capacity_source{namespace="extproc",pod="a",source="engines"}': "1x25",
+    }, "15m", [{"namespace": "extproc", "pod": "a", "source": "engines", "target": "http://e1:8000/metrics",
+                "severity": "warning"}]),
+    "ExtprocCapacityTargetUnreachable": ({
+        # Pod a's TPOT target has been out of reach at the min for 20 minutes; pod b's for 5.
+        'extproc_capacity_target_unreachable{namespace="extproc",pod="a"}': "0x5 1x20",
+        'extproc_capacity_target_unreachable{namespace="extproc",pod="b"}': "0x20 1x5",
+    }, "25m", [{"namespace": "extproc", "pod": "a", "severity": "warning"}]),
+    "ExtprocCapacityAtMinimum": ({
+        # Pod a's enforced limit sits at its min (4) for 20 minutes; pod b's dips there for 5; pod c only
+        # computes one in shadow mode at its min.
+        'extproc_capacity_limit{namespace="extproc",pod="a",mode="enforce"}': "32x5 4x20",
+        'extproc_capacity_limit_bounds{namespace="extproc",pod="a",bound="min"}': "4x25",
+        'extproc_capacity_limit{namespace="extproc",pod="b",mode="enforce"}': "32x10 4x5 16x10",
+        'extproc_capacity_limit_bounds{namespace="extproc",pod="b",bound="min"}': "4x25",
+        'extproc_capacity_limit{namespace="extproc",pod="c",mode="shadow"}': "4x25",
+        'extproc_capacity_limit_bounds{namespace="extproc",pod="c",bound="min"}': "4x25",
+    }, "25m", [{"namespace": "extproc", "pod": "a", "severity": "warning"}]),
 }
 
 
@@ -1538,6 +1571,12 @@ def test_alerts_fire_on_the_situations_they_describe(rendered: Rendered,
             {"series": 'extproc_policy_reload_failing{pod="a"}', "values": "0x40"},
             {"series": 'extproc_signal_stale{pod="a",signal="kueue_pending"}', "values": "0x40"},
             {"series": 'extproc_store_degraded{pod="a"}', "values": "0x40"},
+            {"series": 'extproc_capacity_signals_stale{pod="a"}', "values": "0x40"},
+            {"series": 'extproc_capacity_target_unreachable{pod="a"}', "values": "0x40"},
+            {"series": 'extproc_capacity_limit{pod="a",mode="enforce"}', "values": "24x40"},
+            {"series": 'extproc_capacity_limit_bounds{pod="a",bound="min"}', "values": "4x40"},
+            {"series": 'extproc_capacity_source{pod="a",source="engines"}', "values": "1x40"},
+            {"series": 'extproc_scrape_target_up{pod="a",source="engines",target="e1"}', "values": "1x40"},
         ],
         "alert_rule_test": [{"eval_time": "35m", "alertname": alert, "exp_alerts": []}
                             for alert in sorted(alerts)],

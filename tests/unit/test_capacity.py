@@ -374,3 +374,50 @@ def test_a_good_auto_policy_loads() -> None:
                      "p.yaml")
     assert p.auto_capacity
     assert p.total_capacity == 2
+
+
+async def test_a_frozen_or_floored_limit_is_exported_and_named_by_readiness() -> None:
+    """The limit's bounds and the sources feeding it are exported (the alerts compare the limit with its
+    min, and scrape targets with what feeds it); readiness names stale signals and an unreachable
+    target (and stays ready); a policy without auto exports neither."""
+    from prometheus_client import CollectorRegistry
+
+    from extproc.app import _capacity_notes
+    from extproc.controller import Controller
+    from extproc.metrics import Metrics
+
+    registry = CollectorRegistry()
+    now = [0.0]
+    controller = Controller(policy(stale_hold="10s"), Metrics(registry), clock=lambda: now[0])
+
+    def sample(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, labels)
+
+    assert sample("extproc_capacity_limit_bounds", bound="min") == 4
+    assert sample("extproc_capacity_limit_bounds", bound="max") == 256
+    sources = {s.labels["source"] for m in registry.collect() if m.name == "extproc_capacity_source"
+               for s in m.samples}
+    assert sources == {SIGNALS["read"][name]["source"] for name in ("waiting", "tpot", "ttft")}
+    controller.on_signals(readings(0), 0)
+    assert _capacity_notes(controller) == []
+    # Every signal goes stale: the limit holds, then decays; readiness says so.
+    for t in range(1, 40, 2):
+        now[0] = float(t)
+        controller.on_signals({}, float(t))
+    assert sample("extproc_capacity_signals_stale") == 1
+    notes = _capacity_notes(controller)
+    assert len(notes) == 1
+    assert notes[0].startswith("capacity signals stale: limit ")
+    # A TPOT target missed at the min: unreachable, named.
+    for t in range(40, 120, 2):
+        now[0] = float(t)
+        controller.on_signals(readings(float(t), tpot=0.5), float(t))
+    assert sample("extproc_capacity_target_unreachable") == 1
+    notes = _capacity_notes(controller)
+    assert any(note.startswith("capacity latency target unreachable (tpot_p95") for note in notes)
+    controller.reconfigure(Policy.model_validate({
+        "lanes": [{"name": "interactive", "max_inflight": 4, "deadline": "1s"}],
+        "classification": {"default_lane": "interactive"}}))
+    assert sample("extproc_capacity_limit_bounds", bound="min") is None
+    assert not [s for m in registry.collect() if m.name == "extproc_capacity_source" for s in m.samples]
+    assert _capacity_notes(controller) == []
