@@ -171,7 +171,7 @@ class Fleet:
         await ledger.publish_queue(queued, heads, tenants)
         auto = machine.auto
         if auto is not None:
-            limit, self.leader = await ledger.agree_limit(auto.limit)
+            limit, self.leader = await ledger.agree_limit(auto.limit, starting=auto.starting)
             self._settle(machine.set_limit(limit, self.now()))
             self._changed()
         view = await ledger.view()

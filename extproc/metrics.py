@@ -249,8 +249,9 @@ class Metrics:
             ["mode"], registry=registry,
         )
         self.capacity_moves = Counter(
-            "extproc_capacity_limit_moves", "Moves of the self-sized limit, by reason (engine_queue, ttft, "
-            "tpot: it fell; headroom: it grew; stale: it decayed with no fresh signal; reload: new bounds).",
+            "extproc_capacity_limit_moves", "Moves of the self-sized limit, by reason (running: it started "
+            "from what the engines run; engine_queue, ttft, tpot: it fell; headroom: it grew; stale: it "
+            "decayed with no fresh signal; reload: new bounds).",
             ["reason"], registry=registry,
         )
         self.capacity_stale = Gauge(

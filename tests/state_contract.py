@@ -317,6 +317,45 @@ class LedgerContract:
         assert view.replicas == 2
         assert not view.degraded
 
+    async def test_a_fleet_that_restarts_resumes_from_its_stored_limit_while_it_is_fresh(
+            self, backend: Backend) -> None:
+        # A whole-fleet restart: the leader set 48 and is gone; a replica that starts (its proposal is
+        # its starting value) takes the stored limit instead of writing its own start over it.
+        a = await backend.make(ttl=TINY_TTL, queue_ttl=TINY_TTL)
+        assert await a.agree_limit(48) == (48, True)
+        await a.close()
+        b = await backend.make(ttl=TINY_TTL, queue_ttl=TINY_TTL)
+
+        async def took_over() -> bool:
+            return await b.agree_limit(4, starting=True) == (48, True)
+
+        await eventually(took_over)
+        assert await b.agree_limit(50) == (50, True)  # from then on it leads with its own proposals
+        # A replica that already moved (not starting) and finds no leader leads from its own proposal.
+        await b.close()
+        c = await backend.make(ttl=TINY_TTL, queue_ttl=TINY_TTL)
+
+        async def c_leads() -> bool:
+            return (await c.agree_limit(30))[1]
+
+        await eventually(c_leads)
+        assert await c.agree_limit(30) == (30, True)
+        await c.close()
+
+    async def test_a_stored_limit_too_old_to_trust_is_not_resumed(self, backend: Backend) -> None:
+        a = await backend.make(ttl=TINY_TTL, queue_ttl=TINY_TTL, limit_ttl=TINY_TTL)
+        assert await a.agree_limit(48) == (48, True)
+        await a.close()
+        b = await backend.make(ttl=TINY_TTL, queue_ttl=TINY_TTL, limit_ttl=TINY_TTL)
+        await asyncio.sleep(TINY_TTL * 1.5)  # the leader and the limit it stored are gone
+
+        async def leads() -> bool:
+            return (await b.agree_limit(4, starting=True))[1]
+
+        await eventually(leads)
+        assert await b.agree_limit(4, starting=True) == (4, True)
+        await b.close()
+
     async def test_one_fleet_limit_the_leader_sets_and_a_follower_takes_over(self, backend: Backend) -> None:
         # capacity.max_inflight: auto: every replica enforces the one limit the leading replica proposes.
         a = await backend.make(ttl=TINY_TTL, queue_ttl=TINY_TTL)

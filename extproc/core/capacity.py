@@ -66,9 +66,9 @@ _CLEAR_QUEUE = 4
 #: Decay per interval once stale signals outlast stale_hold.
 _DECAY = 0.9
 
-Reason = Literal["start", "engine_queue", "ttft", "tpot", "headroom", "stale", "reload"]
-Role = Literal["waiting", "ttft_p95", "tpot_p95"]
-ROLES: tuple[Role, ...] = ("waiting", "ttft_p95", "tpot_p95")
+Reason = Literal["start", "running", "engine_queue", "ttft", "tpot", "headroom", "stale", "reload"]
+Role = Literal["waiting", "running", "ttft_p95", "tpot_p95"]
+ROLES: tuple[Role, ...] = ("waiting", "running", "ttft_p95", "tpot_p95")
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +127,9 @@ class AutoLimit:
         self._reason: Reason = "start"
         self._why = f"starts at {auto.first} (min {auto.min}, max {auto.max})"
         self._since = now
+        #: Still at its starting value: it has neither moved nor adopted a fleet's limit (a shared store
+        #: then gives it the fleet's stored limit rather than taking this one).
+        self.starting = True
 
     @property
     def limit(self) -> int:
@@ -146,6 +149,7 @@ class AutoLimit:
     def adopt(self, limit: int) -> None:
         """Follow the fleet's limit (another replica sets it): continue from there if this one takes over."""
         self._value = float(min(max(limit, self.auto.min), self.auto.max))
+        self.starting = False
 
     def state(self) -> AutoState:
         return AutoState(self.limit, self.auto.min, self.auto.max, self.auto.shadow, self._reason, self._why,
@@ -167,6 +171,10 @@ class AutoLimit:
         if not fresh:
             return self._stale(now)
         self._stale_since = None
+        if self.starting and fresh.get("running") is not None:
+            seeded = self._seed(fresh, now)
+            if seeded is not None:
+                return seeded  # (else what runs says nothing new: the usual rules, this same tick)
         auto, before, was = self.auto, self.limit, self._value
         target = auto.target
         waiting = fresh.get("waiting")
@@ -226,6 +234,22 @@ class AutoLimit:
         return self._moved(before, now, "headroom", f"headroom: {seen}")
 
     # -- internals ------------------------------------------------------------------------------
+
+    def _seed(self, fresh: Mapping[Role, float], now: float) -> Move | None:
+        """The first fresh reading of what the engines run (the ``running`` role), while the limit is
+        still its starting value: start from it. Engines that queue beyond the target run all they can
+        at once: the limit is what runs (and the engines said "too many" there). Engines with room run
+        at least that: the limit is at least what runs, and grows from there."""
+        auto, before = self.auto, self.limit
+        running, waiting = fresh["running"], fresh.get("waiting")
+        self.starting = False
+        queueing = waiting is not None and waiting > auto.target.queue
+        value = min(max(running if queueing else max(running, self._value), float(auto.min)), float(auto.max))
+        self._value = value
+        if queueing:
+            self._cut(now, value)
+        said = f"{running:g} running" + (f", {waiting:g} waiting" if waiting is not None else "")
+        return self._moved(before, now, "running", f"starts from what the engines run: {said}")
 
     def _fresh(self, readings: Mapping[str, Reading], now: float) -> dict[Role, float]:
         out: dict[Role, float] = {}
@@ -289,6 +313,7 @@ class AutoLimit:
         if self.limit == before:
             return None
         self._since = now
+        self.starting = False
         return Move(self.limit, before, now, reason, why)
 
 

@@ -200,6 +200,9 @@ class AutoSignals(_Strict):
 
     waiting: Annotated[str, Field(pattern=_NAME)] | None = None
     """Requests waiting in the engines' own queues (e.g. preset waiting_requests)."""
+    running: Annotated[str, Field(pattern=_NAME)] | None = None
+    """Requests the engines run (e.g. preset running_requests): a starting limit begins from it (at least
+    what runs, or exactly that while the engines queue) rather than from ``start``."""
     ttft_p95: Annotated[str, Field(pattern=_NAME)] | None = None
     tpot_p95: Annotated[str, Field(pattern=_NAME)] | None = None
 

@@ -34,6 +34,10 @@ if TYPE_CHECKING:
 LEASE_TTL = 15.0
 #: Default lifetime (seconds) of a replica's queue summary and liveness mark.
 QUEUE_TTL = 3.0
+#: Default lifetime (seconds) of the stored fleet limit (capacity.max_inflight: auto) after its leader last
+#: wrote it: within it, a replica that finds no live leader (a whole-fleet restart, a scale-up from zero)
+#: starts from the stored limit rather than from capacity.auto.start; past it, the engines may have changed.
+LIMIT_TTL = 600.0
 #: Default rank tolerance (seconds): how much better another replica's waiting request must be
 #: before it blocks a grant. Ranks are epoch seconds from each replica's own clock, so this
 #: covers clock skew between replicas (NTP keeps it to milliseconds); ``bench/redis_overhead.py``
@@ -394,13 +398,16 @@ class Ledger(Protocol):
 
     async def view(self) -> GlobalView: ...
 
-    async def agree_limit(self, proposal: int) -> tuple[int, bool]:
+    async def agree_limit(self, proposal: int, *, starting: bool = False) -> tuple[int, bool]:
         """One self-sized fleet limit for every replica: ``(the fleet limit, whether this replica leads)``.
 
         The leading replica's ``proposal`` becomes the fleet limit; a replica leads while it keeps
         calling within the queue TTL, and when it stops another takes over. Followers adopt the
-        limit (so a new leader continues from it). Raises ``LedgerUnavailable`` when the store
-        cannot be reached (the fallback ledger answers from what was last agreed).
+        limit (so a new leader continues from it). ``starting``: the proposal is this replica's
+        starting value, not a limit it found: taking over with no live leader, it adopts the stored
+        limit if one was written within ``limit_ttl`` (a whole-fleet restart resumes where the fleet
+        was), else its proposal. Raises ``LedgerUnavailable`` when the store cannot be reached (the
+        fallback ledger answers from what was last agreed).
         """
         ...
 

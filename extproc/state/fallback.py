@@ -248,12 +248,12 @@ class FallbackLedger:
         with contextlib.suppress(LedgerUnavailable):
             await self.primary.publish_queue(queued, heads, tenants)
 
-    async def agree_limit(self, proposal: int) -> tuple[int, bool]:
+    async def agree_limit(self, proposal: int, *, starting: bool = False) -> tuple[int, bool]:
         """Through Redis; while it is unreachable, the last agreed limit or a smaller proposal
         (each replica may still fall on its own engines' signals, never grow past what was agreed)."""
         if not self.degraded:
             with contextlib.suppress(LedgerUnavailable):
-                self._agreed, leads = await self.primary.agree_limit(proposal)
+                self._agreed, leads = await self.primary.agree_limit(proposal, starting=starting)
                 return self._agreed, leads
         return (proposal if self._agreed is None else min(self._agreed, proposal)), False
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from extproc.state import (
     ALL_LANES,
     LEASE_TTL,
+    LIMIT_TTL,
     QUEUE_TTL,
     RANK_TOLERANCE,
     FreedCallback,
@@ -81,6 +82,7 @@ class MemoryHub:
         #: The self-sizing fleet limit: who leads (and until when), and the limit it set.
         self.leader: tuple[str, float] | None = None
         self.limit: int | None = None
+        self.limit_until = 0.0
         self.completed: dict[str, int] = {}
         """Completions per lane (what the fleet's drain rate is read from)."""
 
@@ -121,7 +123,7 @@ class MemoryHub:
 class MemoryLedger:
     def __init__(self, hub: MemoryHub | None = None, *, ttl: float = LEASE_TTL,
                  queue_ttl: float = QUEUE_TTL, rank_tolerance: float = RANK_TOLERANCE,
-                 renew: bool = True, replica: str | None = None) -> None:
+                 renew: bool = True, replica: str | None = None, limit_ttl: float = LIMIT_TTL) -> None:
         """``renew=False``: no background renewal; the caller calls :meth:`renew` (virtual clocks)."""
         if not 0 < queue_ttl <= ttl:
             raise ValueError("need 0 < queue_ttl <= ttl")
@@ -129,6 +131,7 @@ class MemoryLedger:
         self.replica = replica or uuid.uuid4().hex
         self.ttl = ttl
         self.queue_ttl = queue_ttl
+        self.limit_ttl = limit_ttl
         self.rank_tolerance = rank_tolerance
         self._renew = renew
         self._held: dict[str, set[str]] = {}
@@ -247,13 +250,16 @@ class MemoryLedger:
             if not before.queued.get(lane):
                 self.deliver(lane)
 
-    async def agree_limit(self, proposal: int) -> tuple[int, bool]:
+    async def agree_limit(self, proposal: int, *, starting: bool = False) -> tuple[int, bool]:
         hub, now = self.hub, self.hub.clock()
+        stored = hub.limit if hub.limit is not None and hub.limit_until > now else None
         if hub.leader is None or hub.leader[1] <= now or hub.leader[0] == self.replica:
+            if starting and stored is not None and (hub.leader is None or hub.leader[0] != self.replica):
+                proposal = stored  # no live leader: resume from the fleet's limit while it is fresh
             hub.leader = (self.replica, now + self.queue_ttl)
-            hub.limit = proposal
+            hub.limit, hub.limit_until = proposal, now + self.limit_ttl
             return proposal, True
-        return (hub.limit if hub.limit is not None else proposal), False
+        return (stored if stored is not None else proposal), False
 
     async def view(self) -> GlobalView:
         hub = self.hub

@@ -46,6 +46,7 @@ from typing import Any
 
 from extproc.state import (
     LEASE_TTL,
+    LIMIT_TTL,
     QUEUE_TTL,
     RANK_TOLERANCE,
     BucketOp,
@@ -103,7 +104,7 @@ class RedisLedger:
     def __init__(self, url: str, *, prefix: str = "extproc", ttl: float = LEASE_TTL,
                  queue_ttl: float = QUEUE_TTL, rank_tolerance: float = RANK_TOLERANCE,
                  timeout: float = 0.05, connect_timeout: float | None = None, pool_size: int = 8,
-                 renew: bool = True, replica: str | None = None) -> None:
+                 renew: bool = True, replica: str | None = None, limit_ttl: float = LIMIT_TTL) -> None:
         """``timeout`` bounds every socket read (so a decision never hangs on Redis);
         ``connect_timeout`` (default: ``timeout``, at least 0.25 s) bounds opening a connection:
         connections are opened rarely, but a burst opens several at once on a busy event loop,
@@ -134,6 +135,7 @@ class RedisLedger:
         self.channel = f"{tag}:freed"
         self._ttl_ms = str(max(int(ttl * 1000), 1))
         self._queue_ttl_ms = str(max(int(queue_ttl * 1000), 1))
+        self._limit_ttl_ms = str(max(int(limit_ttl * 1000), 1))
 
         self.book = LocalBook()
         self.budgets = RedisBudgets(self.link, tag, self.replica)
@@ -363,9 +365,10 @@ class RedisLedger:
                     self.deliver(lane)
             self._sent_queued = queued
 
-    async def agree_limit(self, proposal: int) -> tuple[int, bool]:
+    async def agree_limit(self, proposal: int, *, starting: bool = False) -> tuple[int, bool]:
         leads, limit = await self.link.run("limit", [self._leader_key, self._limit_key],
-                                           [self.replica, str(proposal), self._queue_ttl_ms])
+                                           [self.replica, str(proposal), self._queue_ttl_ms,
+                                            "1" if starting else "0", self._limit_ttl_ms])
         return int(limit), bool(leads)
 
     async def view(self) -> GlobalView:

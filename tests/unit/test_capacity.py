@@ -421,3 +421,65 @@ async def test_a_frozen_or_floored_limit_is_exported_and_named_by_readiness() ->
     assert sample("extproc_capacity_limit_bounds", bound="min") is None
     assert not [s for m in registry.collect() if m.name == "extproc_capacity_source" for s in m.samples]
     assert _capacity_notes(controller) == []
+
+
+async def test_a_starting_replica_takes_the_fleet_s_stored_limit_when_no_leader_lives() -> None:
+    """A whole-fleet restart (the leader gone, its limit stored and fresh): the first replica up starts
+    from the fleet's limit, not from capacity.auto.start; once it has a limit of its own it proposes it."""
+    from prometheus_client import CollectorRegistry
+
+    from extproc.controller import Controller
+    from extproc.metrics import Metrics
+    from extproc.state.memory import MemoryHub, MemoryLedger
+
+    now = [0.0]
+    hub = MemoryHub(clock=lambda: now[0])
+    gone = MemoryLedger(hub, renew=False, replica="gone")
+    assert await gone.agree_limit(48) == (48, True)
+    now[0] = 10.0  # the leader's TTL passed; the stored limit is ten seconds old
+    ledger = MemoryLedger(hub, renew=False, replica="new")
+    controller = Controller(policy(start=4), Metrics(CollectorRegistry()), clock=lambda: now[0],
+                            ledger=ledger)
+    machine = controller.machine
+    assert machine.auto is not None
+    assert machine.auto.limit == 4
+    assert controller.fleet is not None
+    await controller.fleet.sync_once()
+    assert (machine.auto.limit, controller.fleet_leader) == (48, True)
+    assert machine.policy.total_capacity == 48
+    await controller.fleet.sync_once()
+    assert machine.auto.limit == 48
+
+
+def test_a_starting_limit_begins_from_what_the_engines_run() -> None:
+    signals = {**SIGNALS, "read": {**SIGNALS["read"],
+                                   "running": {"source": "engines", "preset": "running_requests",
+                                               "stale_after": "5s"}}}
+
+    def started(running: float, waiting: float) -> AutoLimit:
+        p = Policy.model_validate({**policy(start=4).model_dump(), "signals": signals, "capacity": {
+            "max_inflight": "auto", "auto": {"min": 4, "max": 256, "start": 4,
+                                             "signals": {"waiting": "waiting", "running": "running"}}}})
+        assert p.capacity.auto is not None
+        auto = AutoLimit(p.capacity.auto, p.signals)
+        move = auto.update({"waiting": Reading(waiting, 0), "running": Reading(running, 0)}, 0, False, 0)
+        assert move is not None
+        assert move.reason == "running"
+        assert not auto.starting
+        return auto
+
+    # Engines running 40 with room: at least that, and it grows from there (slow start).
+    roomy = started(40, 0)
+    assert roomy.limit == 40
+    assert roomy.update({"waiting": Reading(0, 2), "running": Reading(40, 2)}, 40, True, 2) is not None
+    assert roomy.limit > 40
+    # Engines running 48 and queueing 10: exactly what they run, where they said "too many".
+    full = started(48, 10)
+    assert full.limit == 48
+    # Only the first reading seeds: later ones follow the usual rules.
+    assert full.update({"waiting": Reading(0, 2), "running": Reading(200, 2)}, 0, False, 2) is None
+    assert full.limit == 48
+    # Without a running role nothing changes: the limit starts at start.
+    plain = auto_of(policy(start=4))
+    assert plain.update(readings(0), 0, False, 0) is None
+    assert plain.limit == 4
