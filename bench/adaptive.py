@@ -7,6 +7,11 @@ would have had to find by hand; `ratio` is auto's goodput over that best static'
 llama-70b-2xh100 (x0.1), llama-8b-h100 (x1), llama-8b-l4 (x1: one small GPU, little KV cache),
 and the 70B with a long-prompt variant of the workload (mean prompt 3,000 tokens).
 
+`cold_start[LOAD][WHO]` (each simulated profile): from a cold start (one replica without a store, an
+idle engine) at 0.4x, 1x and 2x the engine's capacity, over the first 30 s, the interactive lane's
+`refused` (first attempts answered 429 or 503) and `ttft_p99_s`, for `auto` and `best_static` (the
+best limit of the profile's 1.5x sweep).
+
 The step: the engine runs at full capacity, then half (slots, KV cache and step speed), then
 full again (sim backend --capacity-schedule). `settle_s_down`/`settle_s_up`: seconds after each
 change until the limit stays within +-10 % of the value it ends that phase with;
@@ -64,12 +69,12 @@ SWEEP = [8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512]
 MIN_REQUESTS, MAX_SIM_S = 15_000, 3_600.0
 
 
-def workload(variant: str, profile: str, time_scale: float, duration: float
+def workload(variant: str, profile: str, time_scale: float, duration: float, load: float = LOAD
              ) -> tuple[WorkloadSpec, list[Request]]:
     spec = load_spec(WORKLOAD)
     if variant == "long-prompt":
         spec = spec.model_copy(update={"lengths": spec.lengths.model_copy(update={"prompt_mean": 3000})})
-    rate = capacity_rps(get_profile(profile), time_scale, spec) * LOAD
+    rate = capacity_rps(get_profile(profile), time_scale, spec) * load
     spec = spec.model_copy(update={"arrivals": spec.arrivals.model_copy(update={"rate": rate})})
     return spec, generate(spec, duration, SEED)
 
@@ -108,13 +113,44 @@ def sim_profile(policy: Policy, name: str, time_scale: float, variant: str, leas
     auto = goodput(auto_run.results, spec, duration)
     best = max(sweep, key=lambda n: sweep[n])
     limits = [limit for _, limit, _, _ in auto_run.timeline]
+    cold = cold_start(policy, name, time_scale, variant, best)
     return {"name": name if variant == "chatbot" else f"{name}/{variant}", "mode": "sim",
+            "cold_start": cold,
             "time_scale": time_scale, "rate": round(spec.arrivals.rate, 2), "requests": len(arrivals),
             "duration_s": round(duration, 1),
             "best_static": best, "best_static_goodput": round(sweep[best], 3), "auto_goodput": round(auto, 3),
             "ratio": round(auto / sweep[best], 3) if sweep[best] else None,
             "sweep": {str(n): round(g, 3) for n, g in sweep.items()},
             "auto_limit_median": sorted(limits)[len(limits) // 2] if limits else None}
+
+
+#: A cold start is judged over its first seconds (simulated, or wall-clock live).
+COLD_WINDOW_S = 30.0
+COLD_LOADS = (0.4, 1.0, 2.0)
+
+
+def cold_start(policy: Policy, name: str, time_scale: float, variant: str, best: int
+               ) -> dict[str, dict[str, dict[str, Any]]]:
+    """From a cold start (one replica, no store, an idle engine), over the first ``COLD_WINDOW_S``
+    seconds at each of ``COLD_LOADS`` times the engine's capacity: the interactive lane's ``refused``
+    (first attempts answered 429 or 503) and ``ttft_p99_s``, for auto and the best static limit of
+    the profile's sweep."""
+    profile = get_profile(name)
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for load in COLD_LOADS:
+        spec, arrivals = workload(variant, name, time_scale, COLD_WINDOW_S + 10.0, load)
+        sim = Simulator(profile, time_scale=time_scale, client=spec.client, seed=SEED)
+        out[f"{load:g}"] = {who: cold_window(sim.run(arrivals, run_policy).results)
+                            for who, run_policy in (("auto", policy), ("best_static", static(policy, best)))}
+    return out
+
+
+def cold_window(results: list[Result], since: float = 0.0) -> dict[str, Any]:
+    """The interactive lane over ``COLD_WINDOW_S`` from ``since``: first attempts refused, TTFT p99."""
+    rows = [r for r in results if r.cls == "interactive" and since <= r.at < since + COLD_WINDOW_S]
+    refused = sum(1 for r in rows if r.attempts > 1 or r.status in (429, 503))
+    return {"refused": refused, "ttft_p99_s": p99([r.ttft for r in rows if r.ttft is not None]),
+            "requests": len(rows)}
 
 
 def settle(timeline: list[tuple[float, int]], start: float, end: float) -> float | None:
@@ -357,6 +393,9 @@ def main() -> int:
     for p in doc["profiles"]:
         print(f"{p['mode']:4} {p['name']:32} best static {p['best_static']:4} "
               f"goodput {p['best_static_goodput']:7.2f}  auto {p['auto_goodput']:7.2f}  ratio {p['ratio']}")
+        for load, who in p.get("cold_start", {}).items():
+            print(f"     cold start {load:>3}x: " + "  ".join(
+                f"{name} refused {w['refused']:4} ttft p99 {w['ttft_p99_s']}" for name, w in who.items()))
     print("step", json.dumps({k: v for k, v in doc["step"].items() if k != "limit_timeline"}))
     if "step_live" in doc:
         print("step_live", json.dumps({k: v for k, v in doc["step_live"].items() if k != "limit_timeline"}))
