@@ -51,8 +51,6 @@ from extproc.policy.signals import Signals
 
 #: Most of the excess one fall may take off; the largest and smallest proportional cuts.
 _MAX_CUT, _CUT_FLOOR, _CUT_CEILING = 0.5, 0.5, 0.95
-#: Before the first fall, with requests held back for want of a slot: the limit may move this often.
-_SLOW_START_TICK = 0.5
 #: Growth per interval: first step, largest step (consecutive growths double it up to this).
 _GROW_FIRST, _GROW_MAX = 0.05, 0.25
 #: Near the last fall's starting point (within this share of it) growth creeps by _CREEP (at
@@ -164,10 +162,7 @@ class AutoLimit:
         ``held``: requests wait in extproc's queues only for want of a slot (a lane at its share of
         the limit, or the fleet at the limit: ``Scheduler.held_back``).
         """
-        # Until the first fall, while requests wait in extproc for want of a slot, every fresh reading
-        # may double the limit (a cold start must not make the protected lanes wait out the climb).
-        interval = min(self.auto.interval, _SLOW_START_TICK) if self._slow_start and held else self.auto.interval
-        if self._last_tick is not None and now - self._last_tick < interval:
+        if self._last_tick is not None and now - self._last_tick < self.auto.interval:
             return None
         self._last_tick = now
         fresh = self._fresh(readings, now)
