@@ -61,6 +61,7 @@ class Controller:
         self.fleet = Fleet(self.machine, ledger, budgets, metrics, clock=clock, settle=self._settle,
                            record=self._record_now, changed=self._capacity_changed, rng=rng) \
             if ledger is not None or budgets is not None else None
+        self._capacity_mode: set[str] = set()
         metrics.watch(self.lanes, lambda: self.machine.draining, lambda: self.view,
                       lambda: self.machine.drain_rates(self.now()), lambda: self.machine.bookings(self.now()))
         self._capacity_changed()
@@ -166,6 +167,9 @@ class Controller:
         self._limits_changed()
         state = auto.state()
         mode = "enforce" if self.machine.base.auto_capacity else "shadow"
+        if mode not in self._capacity_mode:
+            metrics.capacity_limit.clear()  # (a reload between enforce and shadow: no frozen series left)
+            self._capacity_mode = {mode}
         metrics.capacity_limit.labels(mode).set(state.limit)
         metrics.capacity_stale.set(1 if state.stale else 0)
         metrics.capacity_unreachable.set(1 if state.unreachable else 0)

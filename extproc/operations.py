@@ -62,9 +62,9 @@ class Operations:
 
     def state(self) -> pb.State:
         controller = self.controller
-        scheduler = controller.machine
+        machine = controller.machine
         now = controller.now()
-        views = scheduler.snapshot(now)
+        views = machine.snapshot(now)
         recent = controller.recent.summary(now)
         counts = controller.metrics.rejection_counts()
         policy_file = self.policy_file
@@ -97,12 +97,12 @@ class Operations:
             version=STATE_VERSION,
             time=round(wall, 3),
             uptime_s=round(wall - self._started, 1),
-            draining=scheduler.draining,
-            shadow=scheduler.policy.shadow,
+            draining=machine.draining,
+            shadow=machine.policy.shadow,
             policy=policy,
-            capacity=pb.Capacity(limit=_count(scheduler.policy.total_capacity),
-                                 inflight=_count(scheduler.total_inflight),
-                                 queued=_count(scheduler.total_queued),
+            capacity=pb.Capacity(limit=_count(machine.policy.total_capacity),
+                                 inflight=_count(machine.total_inflight),
+                                 queued=_count(machine.total_queued),
                                  auto=self._auto(now, wall)),
             window_s=controller.recent.window_s,
             lanes=lanes,
@@ -159,7 +159,7 @@ class Operations:
         out = pb.SaturationRule(rule=rule.name, signal=rule.signal, active=rule.active, stale=rule.stale,
                                 shed=list(rule.shed), shrink=dict(rule.shrink))
         if rule.since is not None:
-            # The scheduler's clock is monotonic: shown as wall-clock time for humans.
+            # The controller's clock is monotonic: shown as wall-clock time for humans.
             out.since = round(wall - (now - rule.since), 3)
         if rule.value is not None:
             out.value = rule.value

@@ -148,8 +148,10 @@ class AutoLimit:
 
     def adopt(self, limit: int) -> None:
         """Follow the fleet's limit (another replica sets it): continue from there if this one takes over."""
-        self._value = float(min(max(limit, self.auto.min), self.auto.max))
-        self.starting = False
+        value = float(min(max(limit, self.auto.min), self.auto.max))
+        if int(value) != self.limit:
+            self.starting = False  # (the store answering with this replica's own proposal is no news)
+        self._value = value
 
     def state(self) -> AutoState:
         return AutoState(self.limit, self.auto.min, self.auto.max, self.auto.shadow, self._reason, self._why,
@@ -242,7 +244,6 @@ class AutoLimit:
         at least that: the limit is at least what runs, and grows from there."""
         auto, before = self.auto, self.limit
         running, waiting = fresh["running"], fresh.get("waiting")
-        self.starting = False
         queueing = waiting is not None and waiting > auto.target.queue
         value = min(max(running if queueing else max(running, self._value), float(auto.min)), float(auto.max))
         self._value = value

@@ -102,6 +102,9 @@ class Machine:
         auto = policy.capacity.auto
         self.auto = AutoLimit(auto, policy.signals, now) if auto is not None else None
         self.fleet_managed = fleet_managed
+        #: With a shared store, the limit moves only once the store has answered with the fleet's: a
+        #: starting replica takes the fleet's limit first (a restart resumes where the fleet was).
+        self._agreed = not fleet_managed
         self._scheduler = Scheduler(self._sized(), rng, permit=self.permit_retry)
         #: The policy in force: with ``max_inflight: auto``, sized at the current fleet limit (an
         #: attribute, as the scheduler's: read several times per request).
@@ -150,6 +153,7 @@ class Machine:
         self.now = now
         if self.auto is None:
             return []
+        self._agreed = True
         self.auto.adopt(limit)
         if not self.base.auto_capacity or self.policy.total_capacity == self.auto.limit:
             return []
@@ -181,11 +185,6 @@ class Machine:
         """The awaited body did not come within :attr:`body_timeout_s`: the request is refused."""
         self._slow.leave(client, key)
         return Reason.BODY_TIMEOUT
-
-    @property
-    def slow_bodies(self) -> int:
-        """Requests whose bodies are awaited."""
-        return len(self._slow)
 
     def submit(self, lane: str, tenant: str, job: Job, now: float, *, retry: bool = False) -> Submitted:
         """Decide a new request; ``retry``: its client says it is a retry (it spends retry budget)."""
@@ -249,10 +248,6 @@ class Machine:
     def conclude(self, assessment: Assessment, verdicts: Sequence[BucketVerdict]) -> Judgement:
         return self._edge.conclude(assessment, verdicts)
 
-    def settle_budgets(self, asks: Sequence[BudgetAsk], now: float) -> list[BucketVerdict]:
-        """``asks`` against this machine's own tenant budgets."""
-        return self._edge.settle(asks, now)
-
     def budgets_answered(self, asks: Sequence[BudgetAsk], levels: Sequence[tuple[bool, float]]
                          ) -> list[BucketVerdict]:
         """A shared store's answer to ``asks`` (whether each was allowed, and the level it left), as
@@ -313,7 +308,7 @@ class Machine:
         changes = self.saturation.update(readings, now)
         decisions = self._apply_effects(now) if changes else []
         move = None
-        if self.auto is not None:
+        if self.auto is not None and self._agreed:
             scheduler = self._scheduler
             inflight = fleet_inflight if fleet_inflight is not None else scheduler.total_inflight
             move = self.auto.update(readings, inflight, scheduler.held_back, now)
@@ -438,12 +433,4 @@ class Machine:
         self._scheduler.expire_bookings(now)
         return self._scheduler.bookings
 
-    def retry_budget_balance(self, now: float) -> float:
-        """Retries the retry budget would let through now."""
-        return self._retry_budget.balance(now)
-
-    def predict(self, job: Job) -> float:
-        """The job's predicted service time at the current occupancy."""
-        scheduler = self._scheduler
-        return scheduler.estimator.predict(job, scheduler.occupancy())
 

@@ -321,11 +321,10 @@ class _Request:
         return self.proceed()
 
     def edge_entries(self) -> dict[str, str]:
-        """What the ratelimit filter's arrival descriptor would carry besides method and path."""
+        """What the ratelimit filter's arrival descriptor would carry (besides ``generic_key``)."""
         head = self.head
         assert head is not None
-        headers = head.headers
-        return {name: headers[name] for name in self.p.intake.edge_headers if name in headers}
+        return self.p.intake.descriptor(head.method, head.path, head.headers)
 
     def after_edge(self, answer: rls_pb2.RateLimitResponse | None) -> pb.ProcessingResponse | None:
         """The edge's answer (None: off or failed, so the request goes on), as Envoy's ratelimit
@@ -679,25 +678,20 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
 
     async def _next(self, request: _Request, messages: AsyncIterator[pb.ProcessingRequest]
                     ) -> pb.ProcessingRequest | None:
-        """The stream's next message: the body awaited under its deadline, or the read begun while the
-        request was held, or a new read. None: the stream ended, or the body is late (then
+        """The stream's next message when it is not a plain read: the body awaited under its deadline,
+        or the read begun while the request was held. None: the stream ended, or the body is late (then
         ``request.waiting_body`` is still true)."""
         if request.waiting_body:
             return await self._body(request, messages)
         pending = request.pending
-        if pending is not None:
-            request.pending = None
-            return await pending
-        try:
-            return await anext(messages)
-        except StopAsyncIteration:
-            return None
+        assert pending is not None
+        request.pending = None
+        return await pending
 
     def _judge_edge(self, request: _Request) -> Awaitable[rls_pb2.RateLimitResponse | None]:
         """The edge's judgement of the request's arrival, in process (the call itself, to be awaited)."""
         assert self.edge is not None
-        assert request.head is not None
-        return self.edge.judge_inline(request.edge_entries(), request.head.method, request.head.path)
+        return self.edge.judge_inline(request.edge_entries())
 
     def _answer_to(self, request: _Request, kind: str | None, message: pb.ProcessingRequest
                    ) -> pb.ProcessingResponse | None:

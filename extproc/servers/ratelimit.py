@@ -138,13 +138,13 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
             return False
         return any(_entries(d).get("generic_key") == config.request_descriptor for d in request.descriptors)
 
-    async def judge_inline(self, headers: Mapping[str, str], method: str, path: str
-                           ) -> pb.RateLimitResponse | None:
+    async def judge_inline(self, entries: Mapping[str, str]) -> pb.RateLimitResponse | None:
         """The edge's answer to one arrival judged in ext_proc's headers phase (the proxy says so
         with ``x-extproc-edge``: its ratelimit filter then sends no arrival descriptor): the very
-        ``decide`` the filter's call gets, for the descriptor that call would carry (``headers``:
-        the ones the policy reads). None: the edge is off, or failed (counted and logged as a call's
-        error); the request goes on to ext_proc's decision, as the filter fails open."""
+        ``decide`` the filter's call gets, for the descriptor that call would carry (``entries``: its
+        method, path and the headers the policy reads, ``Intake.descriptor``). None: the edge is off,
+        or failed (counted and logged as a call's error); the request goes on to ext_proc's decision,
+        as the filter fails open."""
         try:
             config = self.config()
             if config.mode == "off":
@@ -152,9 +152,7 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
             request = pb.RateLimitRequest(domain=config.domain)
             add = request.descriptors.add().entries.add
             add(key="generic_key", value=config.request_descriptor)
-            add(key="method", value=method)
-            add(key="path", value=path)
-            for key, value in headers.items():
+            for key, value in entries.items():
                 add(key=key, value=value)
             if self.store is not None:
                 return await self.decide_shared(request)

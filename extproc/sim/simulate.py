@@ -2,7 +2,7 @@
 
 How this works: a discrete-event loop takes, in time order, the next of four
 kinds of events — a request arriving (or a client retrying or giving up), the
-engine's next step boundary, the scheduler's next deadline, and the next poll of
+engine's next step boundary, the machine's next deadline, and the next poll of
 the policy's cluster signals. Every decision is the live service's own: the one
 intake (``core.intake``) classifies and sizes each attempt from what the live
 service would see of it (its headers, the gateway's, its retry count, its body's

@@ -10,12 +10,11 @@ the job. The words around those verdicts (why a rule did not match) are written
 here, but every verdict comes from the core: each rule's "match / no match" is
 the classifier's own answer on a policy holding that rule alone.
 
-Decisions at queue states come from a real ``Scheduler``: synthetic requests
-(by default, requests like this one, from the same tenant) are submitted to
-reach the state, all arriving now, then the sample is submitted. When it is
-queued, the queue is played forward on predicted service times with no new
-arrivals, releasing and expiring through the scheduler's public calls, to say
-when it would start or whether its deadline would pass first.
+Decisions at states come from the decision machine itself (``tools/scenario.py``): a
+fresh machine is brought to the state through the events that reach it live, then the
+sample is offered as the live path meets it, the edge first (``sim/driver.py``); a queued
+sample is played forward on predicted service times with no new arrivals, to say when it
+would start or whether its deadline would pass first.
 """
 
 from __future__ import annotations

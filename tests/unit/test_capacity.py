@@ -483,3 +483,32 @@ def test_a_starting_limit_begins_from_what_the_engines_run() -> None:
     plain = auto_of(policy(start=4))
     assert plain.update(readings(0), 0, False, 0) is None
     assert plain.limit == 4
+
+
+async def test_with_a_store_the_limit_waits_for_the_fleet_s_answer_before_it_moves() -> None:
+    """Signals that come before the first sync (a busy restart: the limit pressed, room to grow) do not
+    move the limit: the first limit is the fleet's stored one, and the limit moves from there."""
+    from prometheus_client import CollectorRegistry
+
+    from extproc.controller import Controller
+    from extproc.metrics import Metrics
+    from extproc.state.memory import MemoryHub, MemoryLedger
+
+    now = [0.0]
+    hub = MemoryHub(clock=lambda: now[0])
+    assert await MemoryLedger(hub, renew=False, replica="gone").agree_limit(48) == (48, True)
+    now[0] = 10.0
+    controller = Controller(policy(start=4), Metrics(CollectorRegistry()), clock=lambda: now[0],
+                            ledger=MemoryLedger(hub, renew=False, replica="new"))
+    machine = controller.machine
+    assert machine.auto is not None
+    for _ in range(4):
+        controller.submit("interactive", "t", job())
+    controller.on_signals(readings(10.0), 10.0)
+    assert machine.auto.limit == 4  # no move (nor proposal) before the store answered
+    assert controller.fleet is not None
+    await controller.fleet.sync_once()
+    assert machine.auto.limit == 48
+    now[0] = 13.0
+    controller.on_signals(readings(13.0), 13.0)  # from the fleet's limit on, the usual rules
+    assert machine.auto.limit == 48  # (48 is far above what runs: no growth)
