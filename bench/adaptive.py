@@ -18,7 +18,8 @@ change until the limit stays within +-10 % of the value it ends that phase with;
 `interactive_ttft_p99_during_s`: interactive TTFT p99 of requests arriving from the first change
 to the end. `step` is simulated seconds; `step_live` the same step live (Envoy + extproc + the
 simulated backend, llama-70b-2xh100 at x0.1, wall-clock seconds, the limit read from
-/admin/state every 0.5 s).
+/admin/state every 0.5 s), with the best static limit through the same live step beside it
+(`step_live.static`).
 
 Live (Envoy + extproc + sim backend), only auto and the simulator's best static run, on
 llama-70b-2xh100 at x0.1 and llama-8b-h100 at x1, same requests for both.
@@ -292,19 +293,25 @@ def live(policy: Policy, sims: list[dict[str, Any]], duration: float, drain: flo
     return out
 
 
-def live_step(policy_file: Path, duration: float, drain: float, workdir: Path
+def live_step(policy: Policy, best: int, duration: float, drain: float, workdir: Path
               ) -> tuple[dict[str, Any], list[tuple[float, int]]]:
+    """The step live, auto and (``static``) the simulator's best static limit, same requests."""
     third = duration / 3
     schedule = f"0:1,{third:g}:0.5,{2 * third:g}:1"
     spec, requests = workload("chatbot", "llama-70b-2xh100", 0.1, duration)
     print("live step", file=sys.stderr)
-    results, limits = live_run(policy_file, "llama-70b-2xh100", 0.1, requests, spec, workdir / "step",
+    results, limits = live_run(AUTO, "llama-70b-2xh100", 0.1, requests, spec, workdir / "step",
                                drain, schedule)
+    print(f"live step: static {best}", file=sys.stderr)
+    static_file = write_static(policy, best, workdir / "static-step.yaml")
+    static_results, _ = live_run(static_file, "llama-70b-2xh100", 0.1, requests, spec,
+                                 workdir / "step-static", drain, schedule)
     return {"settle_s_down": settle(limits, third, 2 * third),
             "settle_s_up": settle(limits, 2 * third, duration),
             **ttft_detail(results, third),
             "limit_end_of_phase": [limit_at(limits, third), limit_at(limits, 2 * third),
                                    limit_at(limits, duration)],
+            "static": {"max_inflight": best, **ttft_detail(static_results, third)},
             "schedule": schedule,
             "duration_s": duration}, limits
 
@@ -381,7 +388,7 @@ def main() -> int:
             live_duration, drain = (30.0, 15.0) if args.quick else (60.0, 25.0)
             doc["profiles"] = sims + live(policy, sims, live_duration, drain, Path(tmp))
             live_duration_step = 45.0 if args.quick else 90.0
-            doc["step_live"], limits = live_step(AUTO, live_duration_step, drain, Path(tmp))
+            doc["step_live"], limits = live_step(policy, best, live_duration_step, drain, Path(tmp))
             doc["step_live"]["limit_timeline"] = [[round(t, 2), n] for t, n in limits]
             live_limits = (limits, live_duration_step / 3)
     step["limit_timeline"] = [[round(t, 2), n] for t, n, _, _ in step_run.timeline]
