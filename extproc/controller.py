@@ -119,7 +119,6 @@ class Controller:
     def drain(self) -> None:
         """Stop admitting; queued requests are answered at once (503 draining)."""
         self._settle(self.machine.drain(self.now()))
-        self._update_idle()
 
     def undrain(self) -> None:
         self._settle(self.machine.undrain(self.now()))
@@ -134,7 +133,6 @@ class Controller:
     def apply_saturation(self, effects: Mapping[str, Effect]) -> None:
         """Swap in what saturation does to each lane (tests and tools; signals go through on_signals)."""
         self._settle(self.machine.apply_saturation(effects, self.now()))
-        self._update_idle()
 
     def on_signals(self, readings: Mapping[str, Reading], now: float) -> None:
         """New signal readings (``now`` on this controller's clock): re-evaluate saturation rules
@@ -155,7 +153,6 @@ class Controller:
         if self.fleet is not None and self.ledger is not None and self.machine.auto is not None:
             self.fleet.wake.set()  # the leader's proposal goes to the store, the fleet limit comes back
         self._capacity_changed()
-        self._update_idle()
 
     def _capacity_changed(self) -> None:
         auto = self.machine.auto
@@ -202,7 +199,6 @@ class Controller:
         for listener in self.on_reconfigure:
             listener(policy)
         self._wake.set()
-        self._update_idle()
 
     async def wait_idle(self, grace_s: float) -> bool:
         """Wait until nothing is in flight; False if the grace period passed first."""
@@ -228,9 +224,7 @@ class Controller:
         if decision.outcome is Outcome.QUEUED:
             self._waiters[decision.ticket.id] = asyncio.get_running_loop().create_future()
             self._wake.set()
-        self._settle(submitted.evicted)
-        if self._idle is not None:
-            self._update_idle()
+        self._settle(submitted.evicted)  # (and the idle state: something is queued or running now)
         return decision
 
     def permit_retry(self) -> bool:
@@ -260,8 +254,6 @@ class Controller:
         self._settle(self.machine.release(ticket, now, learn=learn))
         if self.fleet is not None:
             self.fleet.released(ticket)
-        if self._idle is not None:
-            self._update_idle()
 
     async def confirm(self, decision: Decision) -> Decision:
         """Take the admitted request's slot in the shared ledger, or put it back in its queue.
@@ -319,8 +311,7 @@ class Controller:
             future = self._waiters.get(decision.ticket.id)
             if future is not None and not future.done():
                 future.set_result(decision)
-        if self._idle is not None:
-            self._update_idle()
+        self._update_idle()  # (every event that changes what runs or waits settles here)
 
     def _update_idle(self) -> None:
         if self._idle is None:
