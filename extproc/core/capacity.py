@@ -21,8 +21,13 @@ token (TPOT) p95.
   target, latencies below 90 % of their targets) *and* the limit is what holds traffic back
   (in flight ≥ 90 % of the limit, or ≥ 75 % while requests wait in extproc's queues for want of a
   slot): a limit far above what runs is not grown further (it would only let a burst flood the
-  engines). Until the first fall it doubles per interval (a slow start, as TCP's: from ``min`` to
-  hundreds in seconds). After that, as TCP CUBIC: quickly (+5 %, doubling per growth up to +25 %)
+  engines). Until the engines first queue it doubles (a slow start, as TCP's: from ``min`` to
+  hundreds in seconds), on every fresh reading while requests are held back rather than once per
+  interval; a few requests waiting while what the engines run still rises (a burst's prefills) do
+  not stop it, and a latency percentile over target only pauses it for the percentile's window (it
+  is mostly the burst of held requests the last doubling let in). The engines' first queue ends it,
+  and where they had too many is then what they ran, not the doubling's overshoot. After that, as
+  TCP CUBIC: quickly (+5 %, doubling per growth up to +25 %)
   back up to 95 % of where the last fall began, then +1 % (at least one slot) per interval through
   ±5 % of it, and past that, where nothing said "too many" yet, quickly again. A limit that nothing
   presses against never drifts up; the saw-tooth of a plain additive increase is damped where it
@@ -114,6 +119,7 @@ class AutoLimit:
         self._signals = signals
         self._value = float(auto.first)
         self._last_tick: float | None = None
+        self._seen: float | None = None
         self._last_cut: float = -math.inf
         self._growth = _GROW_FIRST
         self._slow_start = True
@@ -121,6 +127,7 @@ class AutoLimit:
         self._lookback: dict[Role, float] = {}
         self._look(signals)
         self._queueing = False
+        self._running: float | None = None
         self._stale_since: float | None = None
         self._values: dict[str, float | None] = {}
         self._unreachable: str | None = None
@@ -164,9 +171,13 @@ class AutoLimit:
         ``held``: requests wait in extproc's queues only for want of a slot (a lane at its share of
         the limit, or the fleet at the limit: ``Scheduler.held_back``).
         """
-        if self._last_tick is not None and now - self._last_tick < self.auto.interval:
+        # A start moves on every fresh reading while requests are held back, not once per interval:
+        # each second at a small limit refuses what a static limit would run.
+        newest = self._newest(readings)
+        quick = self._slow_start and held and newest is not None and (self._seen is None or newest > self._seen)
+        if self._last_tick is not None and now - self._last_tick < self.auto.interval and not quick:
             return None
-        self._last_tick = now
+        self._last_tick, self._seen = now, newest
         fresh = self._fresh(readings, now)
         configured = {role for role in ROLES if getattr(self.auto.signals, role) is not None}
         self._values = {role: fresh.get(role) for role in sorted(configured)}
@@ -177,57 +188,95 @@ class AutoLimit:
             seeded = self._seed(fresh, now)
             if seeded is not None:
                 return seeded  # (else what runs says nothing new: the usual rules, this same tick)
+        queueing, act = self._queue_seen(fresh)
+        if act:
+            return self._queue_fall(fresh["waiting"], inflight, now)
+        over, cut = self._latency_cut(fresh, inflight, now)
+        if over:
+            return cut
+        self._unreachable = None
+        if queueing:
+            return None  # one sample of a queue: neither grow nor fall until the next tick says
+        return self._grow(fresh, inflight, held, now)
+
+    def _queue_seen(self, fresh: Mapping[Role, float]) -> tuple[bool, bool]:
+        """Whether the engines queue beyond the target now, and whether to act on it (seen on two
+        ticks running, or four times over at once)."""
+        target = self.auto.target
+        waiting, running = fresh.get("waiting"), fresh.get("running")
+        queueing = waiting is not None and waiting > target.queue
+        large = waiting is not None and waiting > _CLEAR_QUEUE * (target.queue + 1)
+        rose = running is not None and self._running is not None and running > self._running
+        self._running = running
+        if self._slow_start and queueing and not large and rose:
+            # A few waiting while the engines still take more in are requests caught between two
+            # steps (a burst's prefills), not engines out of room: a start does not stop for them.
+            queueing = False
+        seen_before, self._queueing = self._queueing, queueing
+        return queueing, queueing and (seen_before or large)
+
+    def _queue_fall(self, waiting: float, inflight: int, now: float) -> Move | None:
+        # What the engines run is what is in flight less what waits in their queues. A limit
+        # already at or below that has taken the excess off: requests admitted before it still
+        # wait there until running ones finish, and cutting again for them would overshoot.
+        # A few requests waiting while the limit is well above what runs may be ones caught
+        # between two engine steps: shed that excess, not the limit down to what runs. A larger
+        # queue is the engines out of room (their KV cache): down to what they run at once.
         auto, before, was = self.auto, self.limit, self._value
         target = auto.target
-        waiting = fresh.get("waiting")
-        queueing = waiting is not None and waiting > target.queue
-        seen_before, self._queueing = self._queueing, queueing
-        if waiting is not None and queueing and (seen_before or waiting > _CLEAR_QUEUE * (target.queue + 1)):
-            # What the engines run is what is in flight less what waits in their queues. A limit
-            # already at or below that has taken the excess off: requests admitted before it still
-            # wait there until running ones finish, and cutting again for them would overshoot.
-            # A few requests waiting while the limit is well above what runs may be ones caught
-            # between two engine steps: shed that excess, not the limit down to what runs. A larger
-            # queue is the engines out of room (their KV cache): down to what they run at once.
-            excess = waiting - target.queue
-            full = inflight >= _PRESSED * self._value or waiting > _CLEAR_QUEUE * (target.queue + 1)
-            base = float(inflight) if full else self._value
-            fall_to = max(float(auto.min), base - excess, self._value * (1 - _MAX_CUT))
-            if fall_to >= self._value:
-                return None
-            self._value = fall_to
-            # A trim of a loose limit says nothing of where the engines have too many: keep that.
-            self._cut(now, min(was, max(float(inflight), self._value)) if full else None)
-            return self._moved(before, now, "engine_queue",
-                               f"the engines queue {waiting:g} requests (target {target.queue})")
+        excess = waiting - target.queue
+        full = inflight >= _PRESSED * self._value or waiting > _CLEAR_QUEUE * (target.queue + 1)
+        base = float(inflight) if full else self._value
+        fall_to = max(float(auto.min), base - excess, self._value * (1 - _MAX_CUT))
+        if fall_to >= self._value:
+            return None
+        self._value = fall_to
+        # A trim of a loose limit says nothing of where the engines have too many: keep that.
+        # Out of a start's doubling, where they had too many is what they ran, not the overshoot.
+        trouble = base - excess if self._slow_start else float(inflight)
+        self._cut(now, min(was, max(trouble, self._value)) if full else None)
+        return self._moved(before, now, "engine_queue",
+                           f"the engines queue {waiting:g} requests (target {target.queue})")
+
+    def _latency_cut(self, fresh: Mapping[Role, float], inflight: int, now: float) -> tuple[bool, Move | None]:
+        """Whether a percentile is over its target, and the cut it makes (None: not yet, or at min)."""
+        auto, before, was = self.auto, self.limit, self._value
         over: list[tuple[float, Reason, str]] = []
         wait = auto.cooldown
         checks: tuple[tuple[Role, Reason], ...] = (("ttft_p95", "ttft"), ("tpot_p95", "tpot"))
         for role, reason in checks:
-            value, goal = fresh.get(role), getattr(target, role)
+            value, goal = fresh.get(role), getattr(auto.target, role)
             if value is not None and goal is not None and value > goal:
                 over.append((goal / value, reason, f"{role} {_ms(value)} > target {_ms(goal)}"))
                 # A percentile still holds what it saw before the last fall until its window has
                 # passed; a TTFT is observed when the first token comes, that long after its request
                 # was admitted: one seen now may be of a request let in before the fall.
                 wait = max(wait, self._lookback.get(role, 0.0) + (value if role == "ttft_p95" else 0.0))
-        if over:
-            ratio, reason, text = min(over)
-            at_min = self._value <= auto.min
-            self._unreachable = f"{text} at min {auto.min}" if at_min else None
-            if at_min or now - self._last_cut < wait:
-                return None
-            self._value = max(float(auto.min), self._value * min(max(ratio, _CUT_FLOOR), _CUT_CEILING))
+        if not over:
+            return False, None
+        ratio, reason, text = min(over)
+        at_min = self._value <= auto.min
+        self._unreachable = f"{text} at min {auto.min}" if at_min else None
+        if at_min or now - self._last_cut < wait:
+            return True, None
+        self._value = max(float(auto.min), self._value * min(max(ratio, _CUT_FLOOR), _CUT_CEILING))
+        if self._slow_start:
+            # Before the engines first queue, a percentile over target is mostly the burst of
+            # held requests the last doubling let in, prefilled at once: wait out its window,
+            # then go on doubling (ending the start here left limits at a fraction of what the
+            # engines run, crept up one slot per interval).
+            self._last_cut = now
+        else:
             self._cut(now, min(was, max(float(inflight), self._value)))
-            return self._moved(before, now, reason, text)
-        self._unreachable = None
+        return True, self._moved(before, now, reason, text)
+
+    def _grow(self, fresh: Mapping[Role, float], inflight: int, held: bool, now: float) -> Move | None:
+        auto, before, target = self.auto, self.limit, self.auto.target
         headroom = all(
             (value := fresh.get(role)) is None or (goal := getattr(target, role)) is None
             or value < goal * _HEADROOM
             for role in ("ttft_p95", "tpot_p95")
         )
-        if queueing:
-            return None  # one sample of a queue: neither grow nor fall until the next tick says
         pressed = inflight >= (_PRESSED_HELD if held else _PRESSED) * self._value
         if not headroom or not pressed or self._value >= auto.max:
             return None
@@ -251,6 +300,14 @@ class AutoLimit:
             self._cut(now, value)
         said = f"{running:g} running" + (f", {waiting:g} waiting" if waiting is not None else "")
         return self._moved(before, now, "running", f"starts from what the engines run: {said}")
+
+    def _newest(self, readings: Mapping[str, Reading]) -> float | None:
+        """When the newest good reading of this limit's own signals was taken."""
+        times = [reading.updated_at for role in ROLES
+                 if (name := getattr(self.auto.signals, role)) is not None
+                 and (reading := readings.get(name)) is not None and reading.good
+                 and reading.updated_at is not None]
+        return max(times, default=None)
 
     def _fresh(self, readings: Mapping[str, Reading], now: float) -> dict[Role, float]:
         out: dict[Role, float] = {}

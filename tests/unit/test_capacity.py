@@ -187,13 +187,27 @@ def test_a_slow_first_token_seen_after_a_fall_is_of_a_request_admitted_before_it
     assert move.reason == "ttft"
 
 
-def test_growth_creeps_past_the_point_of_the_last_fall_then_probes_on() -> None:
+def test_out_of_the_start_the_point_of_the_fall_is_what_the_engines_ran_not_the_overshoot() -> None:
     a = auto_of(policy(start=100))
-    # The engines queue at 100 running: the limit falls to 90, and 100 is remembered.
+    # Still starting: the engines queue 10 of 100 in flight. They run 90; 100 was the start's overshoot.
     assert a.update(readings(0, waiting=10), inflight=100, held=True, now=0) is not None
     assert a.limit == 90
+    limits = []
+    for t in range(2, 12, 2):
+        a.update(readings(t), inflight=a.limit, held=True, now=t)
+        limits.append(a.limit)
+    assert limits == [91, 92, 93, 94, 95]  # one slot at a time through what ran: no quick return to 100
+
+
+def test_growth_creeps_past_the_point_of_the_last_fall_then_probes_on() -> None:
+    a = auto_of(policy(start=110))
+    assert a.update(readings(0, waiting=10), inflight=110, held=True, now=0) is not None  # the start ends
+    a.adopt(100)
+    # The engines queue at 100 running: the limit falls to 90, and 100 is remembered.
+    assert a.update(readings(2, waiting=10), inflight=100, held=True, now=2) is not None
+    assert a.limit == 90
     limits = [a.limit]
-    for t in range(2, 40, 2):
+    for t in range(4, 42, 2):
         a.update(readings(t), inflight=a.limit, held=True, now=t)
         limits.append(a.limit)
     assert limits[:4] == [90, 94, 95, 96]  # quickly back near 100 (95 %), then one slot at a time
@@ -483,6 +497,72 @@ def test_a_starting_limit_begins_from_what_the_engines_run() -> None:
     plain = auto_of(policy(start=4))
     assert plain.update(readings(0), 0, False, 0) is None
     assert plain.limit == 4
+
+
+def running_policy(**auto: Any) -> Policy:
+    """``policy`` with a ``running`` signal role beside waiting, TTFT and TPOT."""
+    signals = {**SIGNALS, "read": {**SIGNALS["read"],
+                                   "running": {"source": "engines", "preset": "running_requests",
+                                               "stale_after": "5s"}}}
+    config: dict[str, Any] = {"min": 4, "max": 512, "signals": {
+        "waiting": "waiting", "running": "running", "tpot_p95": "tpot", "ttft_p95": "ttft"},
+        "target": {"tpot_p95": "50ms", "ttft_p95": "1s"}, **auto}
+    return Policy.model_validate({**policy().model_dump(), "signals": signals,
+                                  "capacity": {"max_inflight": "auto", "auto": config}})
+
+
+def engines(now: float, running: float, waiting: float = 0, ttft: float = 0.1) -> dict[str, Reading]:
+    return {**readings(now, waiting=waiting, ttft=ttft), "running": Reading(running, now)}
+
+
+def test_a_start_doubles_on_every_fresh_reading_while_requests_are_held_back() -> None:
+    a = auto_of(running_policy())
+    a.update(engines(0, 0), 0, False, 0)
+    assert a.limit == 4
+    # Readings a second apart (the interval is 2 s): each new one doubles a pressed, held-back limit.
+    for t, limit in ((1, 8), (2, 16), (3, 32)):
+        assert a.update(engines(t, a.limit), a.limit, True, t) is not None
+        assert a.limit == limit
+    # The same reading again is no news: no tick before the interval.
+    assert a.update(engines(3, 32), 32, True, 3.5) is None
+    # Nothing held back: the interval again.
+    assert a.update(engines(4, 32), 32, False, 4) is None
+    assert a.update(engines(5, 32), 32, False, 5) is not None  # 2 s since the last tick
+    assert a.limit == 64
+
+
+def test_a_start_does_not_stop_for_a_few_requests_caught_between_two_engine_steps() -> None:
+    a = auto_of(running_policy(start=16))
+    assert a.update(engines(0, 16), 16, True, 0) is not None
+    assert a.limit == 32
+    # A few wait twice running, but what runs rises: the engines still take more in. The start goes on.
+    assert a.update(engines(1, 20, waiting=3), 32, True, 1) is not None
+    assert a.update(engines(2, 29, waiting=3), 32, True, 2) is None  # (not pressed at 64: no growth)
+    assert a.limit == 64
+    # The same few waiting while what runs stays put, seen twice: the engines take no more there.
+    assert a.update(engines(3, 29, waiting=3), 32, True, 3) is None
+    move = a.update(engines(4, 29, waiting=3), 32, True, 4)
+    assert move is not None and move.reason == "engine_queue"
+    assert a.limit == 61
+    # ... and the start is over: it grows by a few per cent, no longer doubling.
+    assert a.update(engines(6, 61), 61, True, 6) is not None
+    assert a.limit == 64
+
+
+def test_a_latency_cut_during_the_start_pauses_it_for_the_window_then_it_doubles_on() -> None:
+    a = auto_of(running_policy(start=64, cooldown="2s"))
+    a.update(engines(0, 64), 64, True, 0)
+    assert a.limit == 128
+    # The burst the doubling let in shows as a TTFT p95 of 2 s: cut in proportion (at most halved).
+    move = a.update(engines(1, 128, ttft=2.0), 128, True, 1)
+    assert move is not None and move.reason == "ttft"
+    assert a.limit == 64
+    # The percentile still holds the burst: no growth, and no second cut within its window.
+    assert a.update(engines(2, 64, ttft=1.5), 64, True, 2) is None
+    assert a.limit == 64
+    # Once it reads clean the start goes on doubling (not a few per cent per interval).
+    assert a.update(engines(3, 64, ttft=0.2), 64, True, 3) is not None
+    assert a.limit == 128
 
 
 async def test_with_a_store_the_limit_waits_for_the_fleet_s_answer_before_it_moves() -> None:
