@@ -317,6 +317,14 @@ def build_parser() -> argparse.ArgumentParser:
     live_top.add_arguments(top)
     top.set_defaults(func=live_top.command)
 
+    admin = commands.add_parser(
+        "admin", help="act on a running extproc over its gRPC admin API: state, drain, undrain, pause, "
+        "resume, reload", description="Read and act on a running extproc over its gRPC admin API.")
+    from extproc.tools import admin as admin_tool
+
+    admin_tool.add_arguments(admin)
+    admin.set_defaults(func=admin_tool.command)
+
     sim = commands.add_parser("sim", help="simulated GPU backend and load generation (no GPU needed)")
     sim_commands = sim.add_subparsers(dest="sim_command", metavar="ACTION", required=True)
     backend = sim_commands.add_parser(

@@ -67,6 +67,13 @@ class Reason(StrEnum):
         return self not in _NO_RETRY
 
     @property
+    def retry_elsewhere(self) -> bool:
+        """True where the refusal is this replica's alone (it is draining): another replica will
+        take the request, so the answer never says ``x-should-retry: false``, whatever the retry
+        budget (a rollout's drain must not make SDKs give up)."""
+        return self is Reason.DRAINING
+
+    @property
     def message(self) -> str:
         return _MESSAGES[self]
 
@@ -183,7 +190,8 @@ def reject(reason: Reason, lane: str | None, retry_after: int | None, *, signal:
     saturation rule and signal behind it, ``retry-after``, ``retry-after-ms`` (the exact wait of a
     booked return: the OpenAI SDKs prefer it to ``retry-after``), ``x-should-retry: false`` where
     retrying cannot help, the return schedule is full or the retry budget has no room
-    (``retry_allowed``), and the JSON error document."""
+    (``retry_allowed``; never for a drain, whose retry goes to another replica), and the JSON error
+    document."""
     headers = [("content-type", "application/json"), ("x-extproc-reason", reason.value)]
     if lane is not None:
         headers.append(("x-extproc-lane", lane))
@@ -194,7 +202,7 @@ def reject(reason: Reason, lane: str | None, retry_after: int | None, *, signal:
     if signal is not None or rule is not None:
         headers.append(("x-extproc-signal", signal or ""))
         headers.append(("x-extproc-rule", rule or ""))
-    if not reason.retry_helps or not retry_allowed:
+    if not reason.retry_elsewhere and (not reason.retry_helps or not retry_allowed):
         headers.append(("x-should-retry", "false"))
     return Rejection(reason.http_status, tuple(headers),
                      error_body(reason, lane, retry_after, signal, detail))

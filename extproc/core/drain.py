@@ -438,16 +438,23 @@ class Returns:
         full (to the longest wait allowed, or of slot time), retrying is not allowed.
         Before a rate is measured the schedule paces at the rate the running requests imply
         (``_running_rate``). With nothing running, with ``retry_after.share`` 0, or for a replica
-        shutting down: the drain itself, jittered. ``drain``: ``drain_wait`` if the caller already
-        has it (the edge's lane check computed it). The retry budget is asked once, here (``permit``).
+        shutting down: the drain itself, jittered (a replica shutting down always allows the retry,
+        which another replica takes, and leaves the retry budget alone). ``drain``: ``drain_wait``
+        if the caller already has it (the edge's lane check computed it). The retry budget is asked
+        once, here (``permit``).
         """
         config = self._lanes.policy.retry_after
         if not reason.retry_helps:
             return Told(retry_after(config.max, config, self._rng))
         if drain is None:
             drain = self.drain_wait(lane, now, rank)
+        if reason.retry_elsewhere:
+            # A replica shutting down: the retry goes to another one. Nothing is booked here, and
+            # the retry budget is not asked (a reservation is spent only by a retry arriving here,
+            # and a tight budget must not tell the client to give up): retrying is always allowed.
+            return Told(retry_after(drain, config, self._rng))
         measured = self._rate(lane, now) or self._running_rate(lane)
-        if measured is not None and tenant is not None and config.share > 0 and reason is not Reason.DRAINING:
+        if measured is not None and tenant is not None and config.share > 0:
             low, high = bounds(config)
             rate, share = measured
             pace = config.share * rate / share

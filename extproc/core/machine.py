@@ -192,8 +192,11 @@ class Machine:
         scheduler = self._scheduler
         shadowed = False
         # A retry holding a booked return had its retry reserved when it was told to come back: it
-        # goes through even if that reservation lapsed with the budget's window meanwhile.
-        if (retry and self.policy.retry_budget.enabled and not self._retry_budget.try_withdraw(now)
+        # goes through even if that reservation lapsed with the budget's window meanwhile. A replica
+        # shutting down refuses every request as draining, a retry too, before the budget is asked:
+        # it spends nothing, and is never told to give up when another replica would take it.
+        if (retry and not scheduler.draining and self.policy.retry_budget.enabled
+                and not self._retry_budget.try_withdraw(now)
                 and not scheduler.holds_booking(lane, tenant, now)):
             if not scheduler.shadowed(lane):
                 return Submitted(scheduler.refuse(lane, tenant, job, Reason.RETRY_BUDGET, now))

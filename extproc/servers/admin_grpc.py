@@ -13,6 +13,13 @@ no admin token. The rules of the HTTP admin port hold here too:
 
 Python's gRPC server does not show a call's ``:authority`` to the application, so unlike the
 HTTP port this one cannot check ``Host``; nothing a browser sends can reach it in the first place.
+
+The port also serves gRPC server reflection (``grpc.reflection.v1alpha.ServerReflection``), so
+generic gRPC tools can list the admin API and read its descriptors without the ``.proto``. It sits
+behind the same guard: with a token, reflection needs it too. The guard answers a refused call
+with a handler of the method's own shape (a stream for reflection's bidirectional stream): a
+unary one would wait for a first message, and a streaming client that waits for the server before
+it writes would hang until its deadline instead of reading the refusal.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from typing import Any
 
 import grpc
 import structlog
+from grpc_reflection.v1alpha import reflection
 
 from extproc.api.admin.v1 import admin_pb2 as pb
 from extproc.api.admin.v1 import admin_pb2_grpc as pb_grpc
@@ -77,11 +85,21 @@ class AdminService(pb_grpc.AdminServicer):
                                 f"unknown lane {lane!r}, expected one of {self.admin.lanes()}")
 
 
-def _refusal(code: grpc.StatusCode, details: str) -> grpc.RpcMethodHandler:
+_HANDLERS = {(False, False): grpc.unary_unary_rpc_method_handler,
+             (False, True): grpc.unary_stream_rpc_method_handler,
+             (True, False): grpc.stream_unary_rpc_method_handler,
+             (True, True): grpc.stream_stream_rpc_method_handler}
+
+
+def _refusal(code: grpc.StatusCode, details: str,
+             like: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
+    """A handler that ends the call with ``code``, shaped like the method's own (``like``; unary when
+    the method does not exist, so an unknown method is refused as any other)."""
     async def refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         await context.abort(code, details)
 
-    return grpc.unary_unary_rpc_method_handler(refuse)
+    shape = (bool(like and like.request_streaming), bool(like and like.response_streaming))
+    return _HANDLERS[shape](refuse)
 
 
 class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
@@ -93,23 +111,30 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     async def intercept_service(
             self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
             details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)  # only looked up: nothing of the method runs before the checks
+        refused = self._refused(details)
+        return handler if refused is None else _refusal(*refused, like=handler)
+
+    def _refused(self, details: grpc.HandlerCallDetails) -> tuple[grpc.StatusCode, str] | None:
         metadata = {key: value for key, value in (details.invocation_metadata or ())}
         site = metadata.get("sec-fetch-site", "")
         if "origin" in metadata or site == "cross-site":
             log.warning("admin call from a browser refused", method=details.method,
                         origin=str(metadata.get("origin", ""))[:100])
-            return _refusal(grpc.StatusCode.PERMISSION_DENIED, "calls from a browser are refused")
+            return grpc.StatusCode.PERMISSION_DENIED, "calls from a browser are refused"
         if self._expected is not None:
             given = metadata.get("authorization", "")
             given_bytes = given.encode() if isinstance(given, str) else bytes(given)
             if not hmac.compare_digest(given_bytes, self._expected):
-                return _refusal(grpc.StatusCode.UNAUTHENTICATED,
-                                "a valid 'authorization: Bearer <token>' metadata is required")
-        return await continuation(details)
+                return (grpc.StatusCode.UNAUTHENTICATED,
+                        "a valid 'authorization: Bearer <token>' metadata is required")
+        return None
 
 
 def build_server(admin: Operations, token: str | None) -> grpc.aio.Server:
     server = grpc.aio.server(interceptors=[Guard(token)],
                              options=[("grpc.max_receive_message_length", 64 * 1024)])
     pb_grpc.add_AdminServicer_to_server(AdminService(admin), server)  # type: ignore[no-untyped-call]
+    # Reflection lists the admin API only (and itself): the Admin descriptors are in the default pool.
+    reflection.enable_server_reflection((SERVICE, reflection.SERVICE_NAME), server)
     return server

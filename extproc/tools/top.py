@@ -23,21 +23,18 @@ import io
 import json
 import math
 import os
-import re
 import shutil
 import signal
 import sys
 import termios
 import time
 import tty
-import unicodedata
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TextIO
 from urllib.parse import urlsplit
 
 import aiohttp
-import grpc
 from google.protobuf.message import Message
 from rich.cells import cell_len
 from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
@@ -49,13 +46,14 @@ from rich.table import Table
 from rich.text import Text
 
 from extproc.api.admin.v1 import admin_pb2 as pb
-from extproc.api.admin.v1 import admin_pb2_grpc as pb_grpc
 from extproc.api.document import from_document, to_document
-from extproc.settings import Address, env, read_token
+from extproc.settings import Address, env
+from extproc.tools.client import AdminClient, add_token_arguments, clean, token_help, token_of
+from extproc.tools.client import AdminError as FetchError
 
 DEFAULT_ADMIN = "127.0.0.1:9091"
 #: The same variables ``extproc serve`` reads, so one environment configures both ends.
-ADMIN_ENV, TOKEN_ENV, TOKEN_FILE_ENV = "EXTPROC_ADMIN", "EXTPROC_ADMIN_TOKEN", "EXTPROC_ADMIN_TOKEN_FILE"
+ADMIN_ENV = "EXTPROC_ADMIN"
 STATE_PATH = "/admin/state"
 #: The ``State.version`` this viewer was written for. The server's is ``extproc.operations.STATE_VERSION``,
 #: which a tool may not import (tests/unit/test_layout.py); a test keeps the two equal. Any other
@@ -73,15 +71,6 @@ ALARM, NOTICE, HEAD = "red", "yellow", "bold"
 
 # ---------------------------------------------------------------------------------------------
 # Text for people.
-
-_SPACES = re.compile(r"\s+")
-
-
-def clean(text: object) -> str:
-    """``text`` as one line without control characters: what the server sends cannot steer the terminal."""
-    chars = (" " if unicodedata.category(c).startswith("C") or c in "\u2028\u2029" else c for c in str(text))
-    return _SPACES.sub(" ", "".join(chars)).strip()
-
 
 @dataclass(frozen=True)
 class Glyphs:
@@ -452,11 +441,8 @@ def wants_ascii(stream: TextIO) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# Fetching: each source turns every failure into a FetchError with a message fit to show.
-
-
-class FetchError(Exception):
-    """The state could not be read; the message is for the operator as it stands."""
+# Fetching: each source turns every failure into a FetchError with a message fit to show. Over gRPC
+# the source is the admin API's client that `extproc admin` uses too (tools/client.py).
 
 
 class StateSource(Protocol):
@@ -465,10 +451,6 @@ class StateSource(Protocol):
     async def state(self) -> pb.State: ...
 
     async def close(self) -> None: ...
-
-
-def _token_help(token: str | None) -> str:
-    return "token rejected" if token else f"token required ({TOKEN_ENV}, --token-file or --token)"
 
 
 def state_url(target: str) -> tuple[str, str]:
@@ -515,7 +497,7 @@ class HttpSource:
             async with self._session.get(self.url, headers=headers, allow_redirects=False,
                                          timeout=aiohttp.ClientTimeout(total=self.within)) as response:
                 if response.status in (401, 403):
-                    raise FetchError(f"{response.status}: {_token_help(self.token)}")
+                    raise FetchError(f"{response.status}: {token_help(self.token)}")
                 if response.status == 404:
                     raise FetchError(f"404: {name} has no {urlsplit(self.url).path} (not extproc's admin "
                                      "port, or an extproc without it)")
@@ -544,46 +526,6 @@ class HttpSource:
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
-
-
-class GrpcSource:
-    """``Admin.GetState`` on the gRPC admin port, the token sent as ``authorization`` metadata."""
-
-    def __init__(self, address: str, token: str | None, within: float) -> None:
-        self.name, self.token, self.within = address, token, within
-        self._channel: grpc.aio.Channel | None = None
-
-    async def state(self) -> pb.State:
-        if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.name)
-        stub = pb_grpc.AdminStub(self._channel)  # type: ignore[no-untyped-call]
-        metadata = (("authorization", f"Bearer {self.token}"),) if self.token else ()
-        try:
-            state: pb.State = await stub.GetState(pb.GetStateRequest(), metadata=metadata,
-                                                  timeout=self.within)
-        except grpc.aio.AioRpcError as exc:
-            # A fresh channel next time: a failed one waits out a growing reconnect backoff.
-            await self.close()
-            raise FetchError(self._why(exc.code(), clean(exc.details() or ""))) from None
-        return state
-
-    def _why(self, code: grpc.StatusCode, details: str) -> str:
-        name = self.name
-        if code == grpc.StatusCode.UNAUTHENTICATED:
-            return f"UNAUTHENTICATED: {_token_help(self.token)}"
-        if code == grpc.StatusCode.UNAVAILABLE:
-            refused = "refused" in details.lower()
-            return f"cannot reach {name}: " + ("connection refused" if refused else details)
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return f"{name} did not answer within {fmt_duration(self.within)}"
-        if code == grpc.StatusCode.UNIMPLEMENTED:
-            return f"UNIMPLEMENTED: {name} does not serve the extproc admin API (not its admin gRPC port?)"
-        return f"{code.name}: {details}".rstrip(": ")
-
-    async def close(self) -> None:
-        channel, self._channel = self._channel, None
-        if channel is not None:
-            await channel.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -712,11 +654,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "default %(default)s)")
     where.add_argument("--grpc", default=None, metavar="HOST:PORT",
                        help="read the state from extproc's gRPC admin API instead (its --admin-grpc address)")
-    token = parser.add_mutually_exclusive_group()
-    token.add_argument("--token", default=None,
-                       help=f"admin bearer token (better: env {TOKEN_ENV} or --token-file; ps shows flags)")
-    token.add_argument("--token-file", default=env("ADMIN_TOKEN_FILE", "") or None, metavar="PATH",
-                       help=f"file holding the admin token (env {TOKEN_FILE_ENV})")
+    add_token_arguments(parser)
     parser.add_argument("--interval", type=_positive, default=1.0, metavar="SECONDS",
                         help="refresh period of the live view (default %(default)s)")
     parser.add_argument("--timeout", type=_positive, default=3.0, metavar="SECONDS",
@@ -730,19 +668,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="draw with ASCII only (automatic when the terminal's encoding is not Unicode)")
 
 
-def _token(args: argparse.Namespace) -> str | None:
-    """--token, else --token-file, else EXTPROC_ADMIN_TOKEN; stripped (files usually end in a newline)."""
-    if args.token is not None:
-        return str(args.token).strip() or None
-    if args.token_file:
-        return read_token(args.token_file)
-    return os.environ.get(TOKEN_ENV, "").strip() or None
-
-
 def _source(args: argparse.Namespace, token: str | None) -> tuple[StateSource, str]:
     if args.grpc:
         name = str(Address.parse(args.grpc))
-        return GrpcSource(name, token, args.timeout), name
+        return AdminClient(name, token, args.timeout), name
     url, name = state_url(args.http)
     return HttpSource(url, name, token, args.timeout), name
 
@@ -762,7 +691,7 @@ def _fail(message: str, code: int) -> int:
 def command(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out if out is not None else sys.stdout
     try:
-        token = _token(args)
+        token = token_of(args)
     except (OSError, ValueError) as exc:
         return _fail(f"cannot read the admin token: {exc}", EXIT_USAGE)
     try:

@@ -1,12 +1,14 @@
 """The admin API over gRPC (extproc.api.admin.v1.Admin) on a real extproc behind a real Envoy.
 
 The same state as ``GET /admin/state``, the same operations, under the same token; refused to
-browsers; on its own loopback port, never on the ext_proc port Envoy talks to.
+browsers; on its own loopback port, never on the ext_proc port Envoy talks to. Server reflection
+there, read with grpcio-reflection's own descriptor database client, under the same token.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import subprocess
 import sys
@@ -14,17 +16,23 @@ import time
 from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import grpc
 import httpx
 import pytest
+from google.protobuf.descriptor_pool import DescriptorPool
+from google.protobuf.message_factory import GetMessageClass
+from grpc_reflection.v1alpha import reflection_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from extproc.api.admin.v1 import admin_pb2 as pb
 from extproc.api.admin.v1 import admin_pb2_grpc as pb_grpc
 from extproc.api.document import from_document, to_document
 from extproc.operations import STATE_VERSION
 from tests.integration.conftest import Env, shared_env
+
+SERVICE = "extproc.api.admin.v1.Admin"
 
 pytestmark = pytest.mark.envoy
 
@@ -148,6 +156,64 @@ def test_pause_resume_drain_undrain_and_reload(make_env: Callable[..., Env]) -> 
     wait_for(lambda: env.metric("inference_inflight_limit", lane="a") == 3, "the new limit")
 
 
+class _Details(NamedTuple):
+    method: str
+    timeout: float | None
+    metadata: Any
+    credentials: Any
+    wait_for_ready: bool | None
+    compression: Any
+
+
+class Bearer(grpc.StreamStreamClientInterceptor):  # type: ignore[misc]
+    """Sends ``authorization: Bearer <token>`` on a plain channel's streams (reflection is one)."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+
+    def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        metadata = [*(details.metadata or ()), ("authorization", f"Bearer {self.token}")]
+        return continuation(_Details(details.method, details.timeout, metadata, details.credentials,
+                                     details.wait_for_ready, details.compression), requests)
+
+
+@contextlib.contextmanager
+def reflected(address: str, token: str | None = None) -> Iterator[tuple[list[str], DescriptorPool]]:
+    """The services reflection lists on ``address``, and a pool that reads descriptors from it."""
+    with grpc.insecure_channel(address) as channel:
+        database = ProtoReflectionDescriptorDatabase(
+            grpc.intercept_channel(channel, Bearer(token)) if token else channel)
+        yield sorted(database.get_services()), DescriptorPool(database)
+
+
+def test_reflection_describes_the_admin_api_well_enough_to_call_it(env: Env) -> None:
+    with reflected(env.admin_grpc) as (services, pool):
+        assert services == [SERVICE, "grpc.reflection.v1alpha.ServerReflection"]
+        admin = pool.FindServiceByName(SERVICE)
+        state = pool.FindMessageTypeByName("extproc.api.admin.v1.State")
+    assert [m.name for m in admin.methods] == ["GetState", "Reload", "Drain", "Undrain", "Pause", "Resume"]
+    assert [f.name for f in state.fields] == [f.name for f in pb.State.DESCRIPTOR.fields]
+    # What a generic client does: messages built from the reflected descriptors alone, no .proto.
+    method = admin.methods_by_name["GetState"]
+    request, reply = GetMessageClass(method.input_type), GetMessageClass(method.output_type)
+    with grpc.insecure_channel(env.admin_grpc) as channel:
+        get = channel.unary_unary(f"/{SERVICE}/GetState", request_serializer=request.SerializeToString,
+                                  response_deserializer=reply.FromString)
+        answer = get(request(), timeout=5)
+    assert [lane.name for lane in answer.lanes] == ["a", "b"]
+    assert answer.version == STATE_VERSION
+
+
+async def _silent_reflection_stream(address: str) -> grpc.StatusCode:
+    """Open reflection's stream and read before writing anything: the code the call ends with."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stream = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(timeout=5)
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await stream.read()
+        code: grpc.StatusCode = await stream.code()
+        return code
+
+
 def test_with_a_token_every_call_needs_it(make_env: Callable[..., Env],
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EXTPROC_ADMIN_TOKEN", "s3cret")
@@ -159,6 +225,16 @@ def test_with_a_token_every_call_needs_it(make_env: Callable[..., Env],
     assert call(address, "GetState", pb.GetStateRequest(), token="s3cret").draining is False
     # The refused drain changed nothing.
     assert post(env).status_code == 200
+    # Reflection too: nothing of the API is listed or described without the token.
+    for token in (None, "wrong"):
+        with pytest.raises(grpc.RpcError) as info, reflected(address, token):
+            pass
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]
+    # Refused at once, as a stream: a client that reads before it writes is not left waiting.
+    assert _run(_silent_reflection_stream(address)) == grpc.StatusCode.UNAUTHENTICATED
+    with reflected(address, "s3cret") as (services, pool):
+        assert SERVICE in services
+        assert pool.FindServiceByName(SERVICE).methods_by_name["Drain"].output_type.name == "DrainResponse"
 
 
 def test_browsers_are_refused(env: Env) -> None:

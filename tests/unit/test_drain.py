@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 
 from extproc.core.admission import Scheduler
-from extproc.core.decision import Outcome, Reason
+from extproc.core.decision import Outcome, Reason, reject
 from extproc.core.drain import CompletionRate, FleetRate, ReturnSchedule
 from extproc.core.edge import SchedulerPressure
 from extproc.core.machine import Machine
@@ -436,3 +436,31 @@ def test_a_booked_return_is_not_refused_by_the_retry_budget_after_its_reservatio
     back = gate.submit("a", "t", job(), due, retry=True).decision
     assert back.reason is not Reason.RETRY_BUDGET
     assert back.ticket.first is not None  # it claimed its booking
+
+
+@pytest.mark.parametrize("budget", [{"ratio": 0, "min_per_second": 0}, {"ratio": 1, "min_per_second": 50}])
+def test_a_drain_never_tells_a_client_not_to_retry_whatever_the_retry_budget(
+        budget: dict[str, float]) -> None:
+    gate = Machine(make_policy([lane("a", 1, max_queued=1)], retry_budget={**budget, "window": "10s"}),
+                   random.Random(0))
+    assert gate.submit("a", "t", job(), 0.0).decision.outcome is Outcome.ADMITTED
+    queued = gate.submit("a", "t", job(), 0.0).decision
+    assert queued.outcome is Outcome.QUEUED
+    full = gate.submit("a", "t", job(), 0.0).decision
+    assert full.reason is Reason.QUEUE_FULL
+    # The control: an ordinary refusal asks the budget, and a spent one says not to retry.
+    assert full.retry_allowed is (budget["ratio"] > 0)
+    gate.retry_budget_unsent()
+    withdrawn = gate.drain(1.0)
+    new = gate.submit("a", "t", job(), 1.0).decision
+    retry = gate.submit("a", "t", job(), 1.0, retry=True).decision
+    assert [d.ticket for d in withdrawn] == [queued.ticket]
+    for refused in (*withdrawn, new, retry):
+        assert (refused.reason, refused.retry_allowed) == (Reason.DRAINING, True)
+        assert refused.retry_after is not None
+        assert refused.retry_after >= 1
+        rejection = reject(Reason.DRAINING, "a", refused.retry_after, retry_allowed=refused.retry_allowed)
+        assert rejection.status == 503
+        assert "x-should-retry" not in dict(rejection.headers)
+    # Nothing set aside or spent: the retries go to other replicas, not to this one's budget.
+    assert gate.retry_budget_unsent() == (0, 0)

@@ -55,3 +55,11 @@ def test_retry_after_for_a_closed_lane_is_the_longest_and_for_a_full_one_its_dra
     assert scheduler.submit("open", "t", job, 0.0)[0].outcome is Outcome.ADMITTED
     full = scheduler.submit("open", "t", job, 0.0)[0]
     assert (full.reason, full.retry_after) == (Reason.QUEUE_FULL, 2)
+
+
+def test_a_drain_never_says_do_not_retry() -> None:
+    # Another replica takes the request: whatever the retry budget says, the client may retry.
+    r = reject(Reason.DRAINING, "a", 3, retry_allowed=False)
+    assert r.status == 503
+    assert "x-should-retry" not in dict(r.headers)
+    assert dict(r.headers)["retry-after"] == "3"
