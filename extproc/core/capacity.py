@@ -24,10 +24,10 @@ token (TPOT) p95.
   engines). Until the engines first queue it doubles (a slow start, as TCP's: from ``min`` to
   hundreds in seconds), on every fresh reading while requests are held back rather than once per
   interval; a few requests waiting while what the engines run still rises (a burst's prefills) do
-  not stop it, and a latency percentile over target only pauses it for the percentile's window (it
-  is mostly the burst of held requests the last doubling let in). The engines' first queue ends it,
-  and where they had too many is then what they ran, not the doubling's overshoot. After that, as
-  TCP CUBIC: quickly (+5 %, doubling per growth up to +25 %)
+  not stop it, a few that stay are trimmed without ending it, and a latency percentile over target
+  only pauses it for the percentile's window (it is mostly the burst of held requests the last
+  doubling let in). A queue the engines cannot clear (four times the target) ends it, and where
+  they had too many is then what they ran, not the doubling's overshoot. After that, as TCP CUBIC: quickly (+5 %, doubling per growth up to +25 %)
   back up to 95 % of where the last fall began, then +1 % (at least one slot) per interval through
   ±5 % of it, and past that, where nothing said "too many" yet, quickly again. A limit that nothing
   presses against never drifts up; the saw-tooth of a plain additive increase is damped where it
@@ -231,10 +231,16 @@ class AutoLimit:
         if fall_to >= self._value:
             return None
         self._value = fall_to
-        # A trim of a loose limit says nothing of where the engines have too many: keep that.
-        # Out of a start's doubling, where they had too many is what they ran, not the overshoot.
-        trouble = base - excess if self._slow_start else float(inflight)
-        self._cut(now, min(was, max(trouble, self._value)) if full else None)
+        if self._slow_start and waiting <= _CLEAR_QUEUE * (target.queue + 1):
+            # A few waiting twice running while the start is on: trim them, but only a queue the
+            # engines cannot clear (four times over) ends the start; a few are as often requests
+            # caught between steps at a high arrival rate, and the next doubling tells which.
+            self._last_cut = now
+        else:
+            # A trim of a loose limit says nothing of where the engines have too many: keep that.
+            # Out of a start's doubling, where they had too many is what they ran, not the overshoot.
+            trouble = base - excess if self._slow_start else float(inflight)
+            self._cut(now, min(was, max(trouble, self._value)) if full else None)
         return self._moved(before, now, "engine_queue",
                            f"the engines queue {waiting:g} requests (target {target.queue})")
 

@@ -531,7 +531,7 @@ def test_a_start_doubles_on_every_fresh_reading_while_requests_are_held_back() -
     assert a.limit == 64
 
 
-def test_a_start_does_not_stop_for_a_few_requests_caught_between_two_engine_steps() -> None:
+def test_a_start_goes_on_through_a_few_requests_caught_between_engine_steps_and_ends_at_a_real_queue() -> None:
     a = auto_of(running_policy(start=16))
     assert a.update(engines(0, 16), 16, True, 0) is not None
     assert a.limit == 32
@@ -539,14 +539,21 @@ def test_a_start_does_not_stop_for_a_few_requests_caught_between_two_engine_step
     assert a.update(engines(1, 20, waiting=3), 32, True, 1) is not None
     assert a.update(engines(2, 29, waiting=3), 32, True, 2) is None  # (not pressed at 64: no growth)
     assert a.limit == 64
-    # The same few waiting while what runs stays put, seen twice: the engines take no more there.
+    # The same few waiting while what runs stays put, seen twice: trimmed, but the start goes on
+    # (at a high arrival rate a few are as often requests between steps; the next doubling tells).
     assert a.update(engines(3, 29, waiting=3), 32, True, 3) is None
     move = a.update(engines(4, 29, waiting=3), 32, True, 4)
     assert move is not None and move.reason == "engine_queue"
     assert a.limit == 61
-    # ... and the start is over: it grows by a few per cent, no longer doubling.
-    assert a.update(engines(6, 61), 61, True, 6) is not None
-    assert a.limit == 64
+    assert a.update(engines(5, 61), 61, True, 5) is not None
+    assert a.limit == 122
+    # A queue the engines cannot clear (four times over) ends it: down to what they run, and that
+    # is where they had too many (not the 122 the doubling reached).
+    move = a.update(engines(6, 100, waiting=22), 122, True, 6)
+    assert move is not None and move.reason == "engine_queue"
+    assert a.limit == 100
+    assert a.update(engines(8, 100), 100, True, 8) is not None
+    assert a.limit == 101  # one slot at a time through what ran, no longer doubling
 
 
 def test_a_latency_cut_during_the_start_pauses_it_for_the_window_then_it_doubles_on() -> None:
