@@ -450,3 +450,23 @@ def test_command_bad_policies_exit_2(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert (code, out) == (2, "")
     assert f"{missing}: 1 problem(s)\n  {missing}: (top level): cannot read file" in err
     assert f"{bad}: 1 problem(s)\n  {bad}:2: lanes[0].max_inflight:" in err
+
+
+def test_the_operator_guide_example_is_what_diff_prints(tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    guide = (ROOT / "docs" / "operator-guide.md").read_text()
+    start = guide.index("   in-force.yaml → policy.yaml:")
+    block = guide[start:guide.index("   ```", start)]
+    shown = "\n".join(line.removeprefix("   ") for line in block.splitlines())
+    data = example_data("fleet-policy.yaml")
+    (tmp_path / "in-force.yaml").write_text(yaml.safe_dump(data))
+    lane(data, "batch")["deadline"] = "30s"
+    data["classification"]["rules"].insert(0, {"name": "free-tier", "match": {"tenants": ["free"]},
+                                               "lane": "best-effort"})
+    data["ratelimit"]["budgets"]["tenants"]["free"] = {"requests": 20}
+    data["ratelimit"]["budgets"]["max_tenants"] = 50_000
+    (tmp_path / "policy.yaml").write_text(yaml.safe_dump(data))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path)
+        code, out, _ = run(["in-force.yaml", "policy.yaml"], capsys)
+    assert (code, out) == (1, shown + "\n")
