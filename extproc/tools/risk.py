@@ -494,8 +494,8 @@ def _tenants(a: Policy, b: Policy, renames: Renames) -> Iterator[Risk]:
 
 # -- estimation -------------------------------------------------------------------------------------
 
-_LONGER = "predicted service times grow: estimated waits grow and more requests are rejected as " \
-          "deadline_unmeetable"
+_LONGER = ("predicted service times grow: estimated waits grow and more requests are rejected as "
+           "deadline_unmeetable")
 
 
 def _estimation(a: Policy, b: Policy, renames: Renames) -> Iterator[Risk]:
@@ -573,6 +573,17 @@ def _timeout(policy: Policy, signal: Signal) -> float:
     return source.timeout if source is not None else math.inf
 
 
+def _users(policy: Policy, signal: str) -> list[str]:
+    """What acts on a signal: saturation rules that shed or shrink, the enforced auto limit."""
+    users = [f"saturation rule {r.name}" for r in policy.signals.saturation
+             if r.signal == signal and (r.shed or r.shrink)]
+    auto = policy.capacity.auto
+    if auto is not None and policy.auto_capacity:
+        users += [f"capacity.auto.signals.{role}" for role, name in auto.signals.model_dump().items()
+                  if name == signal]
+    return users
+
+
 def _signals(a: Policy, b: Policy, renames: Renames) -> Iterator[Risk]:
     old, new = a.signals.read, b.signals.read
     for name, now in new.items():
@@ -580,10 +591,10 @@ def _signals(a: Policy, b: Policy, renames: Renames) -> Iterator[Risk]:
         if was is None:
             continue
         at = f"signals.read.{name}"
-        users = [r.name for r in b.signals.saturation if r.signal == name and (r.shed or r.shrink)]
+        users = _users(b, name)
         if users and _reads(a, was) != _reads(b, now):
-            yield Risk(at, f"signal {name} reads another number: saturation rules {', '.join(users)} "
-                       "judge that now")
+            yield Risk(at, f"signal {name} reads another number, and {' and '.join(users)} "
+                       f"{'acts' if len(users) == 1 else 'act'} on it")
         if _STALE_ORDER[now.on_stale] > _STALE_ORDER[was.on_stale]:
             what = ("act as active (fail closed)" if now.on_stale == "saturated"
                     else "keep their state (an active rule stays active)")

@@ -348,7 +348,7 @@ CASES = [
          "a returning retry no longer keeps its first attempt's place"),
     # signals
     Case("signals.sources.prometheus.url", put("signals.sources.prom.prometheus.url", "http://thanos:9090"),
-         "signals.read.kv", "signal kv reads another number: saturation rules kv-high judge that now"),
+         "signals.read.kv", "signal kv reads another number, and saturation rule kv-high acts on it"),
     Case("signals.sources.prometheus.timeout", put("signals.sources.prom.prometheus.timeout", "1s"),
          "signals.sources.prom", "timeout 2s → 1s: more reads fail, and kv goes stale sooner",
          _on_stale("saturated")),
@@ -362,6 +362,8 @@ CASES = [
          "signals.read.queue", "signal queue reads another number"),
     Case("signals.read.query", put("signals.read.kv.query", "avg(vllm:kv_cache_usage_perc)"),
          "signals.read.kv", "signal kv reads another number"),
+    Case("signals.read.preset", put("signals.read.queue.preset", "running_requests"), "signals.read.queue",
+         "and saturation rule queue-deep and capacity.auto.signals.waiting act on it", auto),
     Case("signals.read.metric", both(drop("signals.read.queue.preset"),
                                      put("signals.read.queue.metric", "vllm:num_requests_waiting")),
          "signals.read.queue", "signal queue reads another number"),
