@@ -4,8 +4,9 @@ How this works: the YAML text is composed into a node tree first (which keeps
 line numbers), converted to plain data with a loader that refuses duplicate
 keys, then validated by the pydantic schema. Each validation error's location
 is turned into a key path such as ``lanes[1].max_inflight`` and looked up in the
-node tree to find its line, so an SRE sees ``policy.yaml:14 lanes[1].max_inflight:
-…`` rather than a stack trace.
+node tree to find its line, so an SRE sees ``policy.yaml:14: lanes[1].max_inflight:
+…`` rather than a stack trace. Text that is not YAML has no key path: the parser's
+mark gives line and column instead (``policy.yaml:3:1: not valid YAML: …``).
 """
 
 from __future__ import annotations
@@ -32,9 +33,13 @@ class Problem:
     line: int | None
     path: str
     message: str
+    column: int | None = None
+    """1-based, where the YAML parser stopped (text that is not YAML has a place, not a key path)."""
 
     def __str__(self) -> str:
         where = f"{self.file}:{self.line}" if self.line else self.file
+        if self.line and self.column:
+            return f"{where}:{self.column}: {self.path + ': ' if self.path else ''}{self.message}"
         return f"{where}: {self.path or '(top level)'}: {self.message}"
 
 
@@ -133,17 +138,24 @@ def _describe(error: Any) -> str:
     return msg
 
 
+def _yaml_problem(source: str, exc: yaml.MarkedYAMLError) -> Problem:
+    """Where the parser stopped (line and column, 1-based) and, if it says, what it was inside."""
+    mark = exc.problem_mark or exc.context_mark
+    line, column = (mark.line + 1, mark.column + 1) if mark is not None else (None, None)
+    message = f"not valid YAML: {exc.problem or exc}"
+    inside = exc.context_mark
+    if exc.problem and exc.context and inside is not None and inside is not mark:
+        message += f" ({exc.context} at line {inside.line + 1}, column {inside.column + 1})"
+    return Problem(source, line, "", message, column)
+
+
 def parse_policy(text: str, source: str = "<policy>") -> Policy:
     """Validate policy text; raise PolicyError listing every problem found."""
     try:
         root = yaml.compose(text, Loader=_StrictLoader)
         data = yaml.load(text, Loader=_StrictLoader)
     except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        line = mark.line + 1 if mark is not None else None
-        raise PolicyError(
-            [Problem(source, line, "", f"not valid YAML: {exc.problem or exc}")]
-        ) from None
+        raise PolicyError([_yaml_problem(source, exc)]) from None
     except yaml.YAMLError as exc:
         raise PolicyError([Problem(source, None, "", f"not valid YAML: {exc}")]) from None
     except RecursionError:

@@ -43,6 +43,16 @@ class TenantLimit(Strict):
     def unit_seconds(self) -> float:
         return UNIT_SECONDS[self.per]
 
+    @property
+    def in_words(self) -> str:
+        """``600 requests and 200000 tokens per minute`` (``, burst 2`` when not 1), or ``no limit``."""
+        parts = [f"{n} {kind}" for kind, n in (("requests", self.requests), ("tokens", self.tokens))
+                 if n is not None]
+        if not parts:
+            return "no limit"
+        burst = f", burst {self.burst:g}" if self.burst != 1 else ""
+        return f"{' and '.join(parts)} per {self.per}{burst}"
+
 
 class Budgets(Strict):
     default: TenantLimit = Field(default_factory=TenantLimit)

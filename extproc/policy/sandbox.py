@@ -32,8 +32,8 @@ _NICE = 10
 
 
 def _problems(raw: list[dict[str, Any]]) -> list[Problem]:
-    return [Problem(str(p.get("file", "")), p.get("line"), str(p.get("path", "")), str(p.get("message", "")))
-            for p in raw]
+    return [Problem(str(p.get("file", "")), p.get("line"), str(p.get("path", "")), str(p.get("message", "")),
+                    p.get("column")) for p in raw]
 
 
 async def decode_isolated(raw: bytes, source: str, time_cap: float = DECODE_TIMEOUT_S) -> Policy:
@@ -82,7 +82,8 @@ def main(argv: list[str]) -> int:
         policy = decode_policy(raw, source)
     except PolicyError as exc:
         answer: dict[str, Any] = {"ok": False, "problems": [
-            {"file": p.file, "line": p.line, "path": p.path, "message": p.message} for p in exc.problems]}
+            {"file": p.file, "line": p.line, "column": p.column, "path": p.path, "message": p.message}
+            for p in exc.problems]}
     except MemoryError:
         answer = {"ok": False, "problems": [
             {"file": source, "line": None, "path": "", "message": "validation ran out of memory"}]}

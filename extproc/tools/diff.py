@@ -8,8 +8,9 @@ settings read as a rename), rules by name (unnamed ones by what they match) with
 their order compared separately because the first match wins, tuples of plain
 values (trusted headers, methods) as sets, and mappings (tenant weights, model
 costs) by key. A few derived facts are compared too (total slots, priority
-order, whether bodies are read), and changes that can hurt in production are
-listed apart as risks.
+order, whether bodies are read). A budget is said whole, with its period (``20 requests per
+minute``): its numbers mean nothing without it. The changes that can refuse or reorder more
+traffic than before are found by ``extproc.tools.risk`` and printed first, as risks.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import argparse
 import json
 import sys
 import typing
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,8 +28,10 @@ from pydantic.fields import FieldInfo
 
 from extproc.policy.fields import Duration
 from extproc.policy.loader import PolicyError, load_policy
-from extproc.policy.schema import Lane, Match, Policy, Rule
+from extproc.policy.ratelimit import TenantLimit
+from extproc.policy.schema import Lane, Policy
 from extproc.tools.explain import describe_match, duration
+from extproc.tools.risk import Risk, by_priority, keyed_rules, risks
 
 #: The validator that reads ``250ms``: a field carrying it holds seconds, shown as a duration.
 _DURATION_MARK = typing.get_args(Duration)[1]
@@ -52,7 +55,8 @@ class Difference:
 @dataclass(frozen=True, slots=True)
 class PolicyDiff:
     changes: tuple[Difference, ...]
-    risks: tuple[str, ...]
+    risks: tuple[Risk, ...]
+    """The changes that can refuse or reorder more traffic than before, each with why."""
 
     @property
     def same(self) -> bool:
@@ -75,6 +79,8 @@ def _fmt(value: object, info: FieldInfo | None = None) -> str:
         return duration(value)
     if isinstance(value, float):
         return f"{value:g}"
+    if isinstance(value, TenantLimit):
+        return value.in_words
     if isinstance(value, BaseModel):
         return "{" + summary(value) + "}"
     if isinstance(value, tuple | list):
@@ -137,7 +143,9 @@ def _plain(items: tuple[Any, ...]) -> bool:
 def _compare(old: object, new: object, where: _Where, info: FieldInfo | None = None) -> Iterator[Difference]:
     if old == new:
         return
-    if isinstance(old, BaseModel) and isinstance(new, BaseModel) and type(old) is type(new):
+    if isinstance(old, TenantLimit) and isinstance(new, TenantLimit):
+        yield where.change(f" {old.in_words} → {new.in_words}")
+    elif isinstance(old, BaseModel) and isinstance(new, BaseModel) and type(old) is type(new):
         for name, field in type(old).model_fields.items():
             yield from _compare(getattr(old, name), getattr(new, name), where.child(name), field)
     elif isinstance(old, dict) and isinstance(new, dict):
@@ -232,8 +240,8 @@ def _lanes(a: Policy, b: Policy, renames: dict[str, str]) -> Iterator[Difference
     for name, lane in after.items():
         if name not in before and name not in renames.values():
             yield Difference("lanes", f"lanes.{name}", f"{name} added ({summary(lane)})")
-    order_a = [renames.get(lane.name, lane.name) for lane in _by_priority(a)]
-    order_b = [lane.name for lane in _by_priority(b)]
+    order_a = [renames.get(lane.name, lane.name) for lane in by_priority(a)]
+    order_b = [lane.name for lane in by_priority(b)]
     common = set(order_a) & set(order_b)
     order_a = [n for n in order_a if n in common]
     order_b = [n for n in order_b if n in common]
@@ -243,26 +251,9 @@ def _lanes(a: Policy, b: Policy, renames: dict[str, str]) -> Iterator[Difference
                          "(queued work of higher lanes gets freed slots first)")
 
 
-def _by_priority(policy: Policy) -> list[Lane]:
-    return sorted(policy.lanes, key=lambda lane: (-lane.priority, lane.name))
-
-
-def _keyed_rules(rules: Sequence[Rule]) -> dict[str, tuple[int, Rule]]:
-    """Rules by name; an unnamed rule is known by what it matches and where it sends."""
-    out: dict[str, tuple[int, Rule]] = {}
-    for i, rule in enumerate(rules):
-        base = rule.name or f"({describe_match(rule.match)} → {rule.lane})"
-        key, n = base, 1
-        while key in out:
-            n += 1
-            key = f"{base} #{n}"
-        out[key] = (i, rule)
-    return out
-
-
 def _rules(a: Policy, b: Policy, renames: dict[str, str]) -> Iterator[Difference]:
-    before = _keyed_rules(a.classification.rules)
-    after = _keyed_rules(b.classification.rules)
+    before = keyed_rules(a.classification.rules)
+    after = keyed_rules(b.classification.rules)
     for key, (_, rule) in before.items():
         where = _Where("classification", f"classification.rules.{key}", f"rule {key}: ")
         if key not in after:
@@ -302,7 +293,7 @@ def _derived(a: Policy, b: Policy) -> Iterator[Difference]:
 
 
 def diff(a: Policy, b: Policy) -> PolicyDiff:
-    """Every difference from ``a`` to ``b`` in words, and the risky ones again as risks."""
+    """Every difference from ``a`` to ``b`` in words, and the risks among them."""
     renames = _renames(a, b)
     changes: list[Difference] = []
     for name, field in type(a).model_fields.items():
@@ -321,100 +312,36 @@ def diff(a: Policy, b: Policy) -> PolicyDiff:
     changes += _derived(a, b)
     order = list(type(a).model_fields)
     changes.sort(key=lambda c: order.index(c.section) if c.section in order else len(order))
-    return PolicyDiff(tuple(changes), tuple(_risks(a, b, renames)) if changes else ())
-
-
-def _risks(a: Policy, b: Policy, renames: dict[str, str]) -> Iterator[str]:
-    before = {renames.get(lane.name, lane.name): lane for lane in a.lanes}
-    limits_b = sum(lane.max_inflight for lane in b.lanes)
-    limits_a = sum(lane.max_inflight for lane in a.lanes)
-    if b.total_capacity < limits_b and (b.total_capacity, limits_b) != (a.total_capacity, limits_a):
-        yield (f"capacity ({b.total_capacity} slots) is below the lanes' max_inflight summed ({limits_b}): "
-               "the lanes cannot all reach their limits at once")
-    if a.shadow != b.shadow:
-        yield ("policy.shadow turns off: every lane not in shadow itself starts enforcing (queueing and "
-               "rejecting)" if a.shadow else
-               "policy.shadow turns on: nothing is enforced any more; overload reaches the backend")
-    for lane in b.lanes:
-        old = before.get(lane.name)
-        if old is None:
-            continue
-        if old.shadow != lane.shadow and not b.shadow:
-            yield (f"{lane.name} leaves shadow mode: it starts enforcing (queueing and rejecting)"
-                   if old.shadow else
-                   f"{lane.name} enters shadow mode: it admits everything; overload reaches the backend")
-        if old.evictable and not lane.evictable:
-            yield (f"{lane.name} becomes non-evictable: when the queues are full (capacity.max_queued), "
-                   "higher lanes get queue_full instead of taking its places")
-        if lane.closed and not old.closed:
-            yield f"{lane.name} becomes closed: every request it gets is rejected (lane_closed)"
-        if old.max_queued and not lane.max_queued:
-            yield f"{lane.name} loses its queue (max_queued 0): requests that find no free slot are rejected"
-        if lane.max_inflight <= old.max_inflight * _DEEP_CUT:
-            yield f"{lane.name}: max_inflight cut from {old.max_inflight} to {lane.max_inflight}"
-        if lane.deadline <= old.deadline * _DEEP_CUT:
-            yield (f"{lane.name}: deadline cut from {duration(old.deadline)} to {duration(lane.deadline)}: "
-                   "more requests rejected as deadline_unmeetable")
-        if lane.borrow and lane.max_borrow is None and not (old.borrow and old.max_borrow is None):
-            yield (f"{lane.name} may now borrow every idle slot (no max_borrow): a borrowed slot returns "
-                   "only when its job ends")
-    if (b.capacity.max_queued is not None and any(lane.evictable for lane in a.lanes)
-            and not any(lane.evictable for lane in b.lanes)):
-        yield "no lane is evictable any more: a full capacity.max_queued rejects even the highest lanes"
-    if a.capacity.max_hold != b.capacity.max_hold:
-        yield (f"capacity.max_hold {duration(a.capacity.max_hold)} → {duration(b.capacity.max_hold)}: "
-               "it must equal the ext_proc filter's max_message_timeout; change Envoy's config with it")
-    for header in b.trusted_headers:
-        if header not in a.trusted_headers:
-            yield (f"{header} is now trusted: make sure your gateway sets or strips it, or clients "
-                   "can send it themselves")
-    was = a.lane(a.classification.default_lane)
-    now = b.lane(b.classification.default_lane)
-    if renames.get(was.name, was.name) != now.name and now.priority > was.priority:
-        yield (f"unclassified requests now land in {now.name} (priority {now.priority}), "
-               f"no longer in {was.name} (priority {was.priority})")
-    shadow_a = _shadowing(a)
-    for rule, hidden in _shadowing(b).items():
-        if rule not in shadow_a:
-            yield f"rule {rule} matches every request: {', '.join(hidden)} after it can never match"
-
-
-def _shadowing(policy: Policy) -> dict[str, list[str]]:
-    """Rules with an empty match that are not last → the rules they hide."""
-    rules = policy.classification.rules
-    out: dict[str, list[str]] = {}
-    for i, rule in enumerate(rules[:-1]):
-        if rule.match == Match():
-            out[rule.name or f"rules[{i}]"] = [r.name or f"rules[{j}]" for j, r in enumerate(rules) if j > i]
-            break
-    return out
+    return PolicyDiff(tuple(changes), tuple(risks(a, b, renames)) if changes else ())
 
 
 # -- output and the command ----------------------------------------------------------------------------
 
 
 def render(result: PolicyDiff, a_name: str, b_name: str) -> str:
+    """The risks first (what to read before applying), then every change by section."""
     if result.same:
         return f"{a_name} → {b_name}: no changes"
-    count = len(result.changes)
-    lines = [f"{a_name} → {b_name}: {count} change{'s' if count > 1 else ''}"]
+    count, risky = len(result.changes), len(result.risks)
+    lines = [f"{a_name} → {b_name}: {count} change{'s' if count > 1 else ''}, "
+             f"{risky or 'no'} risk{'' if risky == 1 else 's'}"]
+    if result.risks:
+        lines += ["", "risks: what can refuse or reorder more traffic than before"]
+        lines += [f"  ! {risk.text}" for risk in result.risks]
     section = ""
     for change in result.changes:
         if change.section != section:
             section = change.section
             lines += ["", section]
         lines.append(f"  {change.text}")
-    if result.risks:
-        lines += ["", "risks"]
-        lines += [f"  ! {risk}" for risk in result.risks]
     return "\n".join(lines)
 
 
 def as_json(result: PolicyDiff, a_name: str, b_name: str) -> dict[str, Any]:
     return {
         "a": a_name, "b": b_name, "same": result.same,
+        "risks": [{"path": r.path, "text": r.text} for r in result.risks],
         "changes": [{"section": c.section, "path": c.path, "text": c.text} for c in result.changes],
-        "risks": list(result.risks),
     }
 
 

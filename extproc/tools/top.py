@@ -41,7 +41,7 @@ from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderR
 from rich.live import Live
 from rich.measure import Measurement
 from rich.padding import Padding
-from rich.segment import Segment
+from rich.segment import Segment, Segments
 from rich.table import Table
 from rich.text import Text
 
@@ -304,15 +304,39 @@ def _plain(line: list[Segment], ascii: bool) -> Iterator[Segment]:
         yield Segment(text, segment.style, segment.control)
 
 
-def _flags(lane: pb.Lane, g: Glyphs) -> Text:
-    # Wrapped in their column when it is narrow (at the spaces), never cut: each word is news.
-    return _words((
+def _flags(lane: pb.Lane, g: Glyphs) -> list[tuple[str, str]]:
+    """A lane's status words as (text, style), each shown whole or not at all: each one is news."""
+    parts = (
         ("CLOSED", ALARM, lane.closed), ("RETIRED", NOTICE, lane.retired), ("PAUSED", NOTICE, lane.paused),
         (f"SHED {clean(lane.shed)}", NOTICE, lane.HasField("shed")), ("SHADOW", NOTICE, lane.shadow),
         (f"LIMIT {lane.limit}{g.arrow}{lane.effective_limit}", NOTICE, lane.effective_limit != lane.limit),
         (f"BORROW {lane.borrowed}", NOTICE, lane.borrowed > 0),
         (f"would reject {fmt_rate(lane.shadow_reject_per_s, g)}/s", "", lane.shadow_reject_per_s > 0),
-    ), ", ", wrap=True)
+    )
+    return [(text, style) for text, style, shown in parts if shown]
+
+
+_FLAG_SEP = ", "
+
+
+def _flag_text(flags: list[tuple[str, str]]) -> Text:
+    """The status words on one line, cut rather than wrapped (only ever drawn where they fit)."""
+    return _words(((text, style, True) for text, style in flags), _FLAG_SEP)
+
+
+def _flag_lines(flags: list[tuple[str, str]], width: int, indent: str) -> list[Text]:
+    """The status words packed into lines of ``width`` cells after ``indent``, broken between words."""
+    lines: list[list[tuple[str, str]]] = []
+    used = 0
+    for text, style in flags:
+        size = cell_len(text)
+        if lines and cell_len(indent) + used + cell_len(_FLAG_SEP) + size <= width:
+            lines[-1].append((text, style))
+            used += cell_len(_FLAG_SEP) + size
+        else:
+            lines.append([(text, style)])
+            used = size
+    return [Text.assemble(indent, _flag_text(line), no_wrap=True, overflow="ellipsis") for line in lines]
 
 
 def _lane_table(state: pb.State, g: Glyphs, bar_w: int, flags: list[Text] | None) -> Table:
@@ -321,7 +345,7 @@ def _lane_table(state: pb.State, g: Glyphs, bar_w: int, flags: list[Text] | None
     for head in ("IN FLIGHT", "QUEUED", "WAIT p50/p95", "ADM/s", "REJ/s"):
         table.add_column(head, justify="right", no_wrap=True, overflow="ellipsis")
     if flags is not None:
-        table.add_column("FLAGS", min_width=8)
+        table.add_column("FLAGS", no_wrap=True, overflow="ellipsis")
     in_w = max(len(f"{lane.inflight}/{lane.effective_limit}") for lane in state.lanes)
     q_w = max(len(f"{lane.queued}/{lane.max_queued}") for lane in state.lanes)
 
@@ -340,25 +364,47 @@ def _wait(lane: pb.Lane, g: Glyphs) -> str:
     return f"{fmt_duration(p50, g)}/{fmt_duration(p95, g)}"
 
 
+#: Status words on lines of their own start under the lane's name, indented by this.
+_NOTE = "  "
+
+
 def _lanes(state: pb.State, console: Console, options: ConsoleOptions, g: Glyphs) -> RenderableType:
-    """The lane table with the widest bars that leave the status words room; stacked lines when narrow."""
+    """The lane table with the widest bars that fit. The status words go in a FLAGS column when the
+    longest fits beside the numbers on one line; else each lane's go on lines of their own under its
+    row (a column that wrapped would break the rows apart); stacked lines when even the numbers
+    do not fit."""
     flags = [_flags(lane, g) for lane in state.lanes]
-    longest = max(len(f) for f in flags)
-    # Readable bars with the status words on one line; else smaller bars, or none, and a column
-    # the status words wrap in.
-    for reserve, bar_w in ((longest, 16), (longest, 10), (longest, 6), (12, 6), (12, 4), (8, 0)):
+    longest = max(_flag_text(f).cell_len for f in flags)
+    width = options.max_width
+    for beside, bar_w in ((True, 16), (True, 10), (True, 6), (False, 16), (False, 10), (False, 6),
+                          (False, 4), (False, 0)):
+        if beside and not longest:
+            continue
         table = _lane_table(state, g, bar_w, None)
-        room = options.max_width - (min(reserve, longest) + 2 if longest else 0)
+        room = width - (longest + 2 if beside else 0)
         if Measurement.get(console, options.update_width(10_000), table).maximum <= room:
-            return _lane_table(state, g, bar_w, flags) if longest else table
+            if beside:
+                return _lane_table(state, g, bar_w, [_flag_text(f) for f in flags])
+            return _noted(table, [_flag_lines(f, width, _NOTE) for f in flags], console, options)
     stack: list[RenderableType] = []
     for lane, words in zip(state.lanes, flags, strict=True):
         stack += [_cut(f"{clean(lane.name) or g.missing}  in flight {lane.inflight}/{lane.effective_limit}"
                        f"  queued {lane.queued}/{lane.max_queued}", HEAD),
                   _cut(f"  wait {_wait(lane, g)}  admit {fmt_rate(lane.admit_per_s, g)}/s  "
                        f"reject {fmt_rate(lane.reject_per_s, g)}/s")]
-        stack += [Text.assemble("  ", words, no_wrap=True, overflow="ellipsis")] if words else []
+        stack += _flag_lines(words, width, _NOTE)
     return Group(*stack)
+
+
+def _noted(table: Table, notes: list[list[Text]], console: Console,
+           options: ConsoleOptions) -> RenderableType:
+    """The table's rows, each followed by its lines of status words (rows are one line each: no
+    column of the table wraps)."""
+    lines = console.render_lines(table, options, pad=False)
+    out: list[RenderableType] = [Segments([*lines[0], Segment.line()])]
+    for line, below in zip(lines[1:], notes, strict=True):
+        out += [Segments([*line, Segment.line()]), *below]
+    return Group(*out)
 
 
 def _saturation(state: pb.State, g: Glyphs) -> RenderableType | None:

@@ -387,18 +387,56 @@ def test_top_level_must_be_a_mapping(text: str, kind: str) -> None:
     assert "(top level)" in str(problem)
 
 
-def test_invalid_yaml_names_the_line() -> None:
+def test_invalid_yaml_names_the_line_and_column() -> None:
     text = "lanes:\n  - name: a\n\tmax_inflight: 1\n"
     problem = only_problem(text)
-    assert problem.line == 3
+    assert (problem.line, problem.column, problem.path) == (3, 1, "")
     assert problem.message.startswith("not valid YAML:")
     assert "\\t" in problem.message or "tab" in problem.message
+    # A place in the text, not a key path: no "(top level)".
+    assert str(problem) == f"{SOURCE}:3:1: {problem.message}"
 
 
-def test_unclosed_flow_sequence_is_invalid_yaml() -> None:
-    problem = only_problem("lanes: [1, 2\nclassification: {}\n")
-    assert problem.message.startswith("not valid YAML:")
-    assert problem.line is not None
+@pytest.mark.parametrize(("text", "line", "column", "message"), [
+    ("lanes: [1, 2\nclassification: {}\n", 2, 15,
+     "not valid YAML: expected ',' or ']', but got ':' (while parsing a flow sequence at line 1, column 8)"),
+    ("lanes:\n  - name: a\n    deadline: 1s: 2s\n", 3, 17,
+     "not valid YAML: mapping values are not allowed here"),
+    ("lanes:\n  - name: a\n    max_inflight: 1\n    max_inflight: 2\n", 4, 5,
+     "not valid YAML: duplicate key 'max_inflight' (first on line 3)"),
+    ("classification: {default_lane: \"a}\n", 2, 1,
+     "not valid YAML: found unexpected end of stream (while scanning a quoted scalar at line 1, column 32)"),
+])
+def test_invalid_yaml_says_where_the_parser_stopped(text: str, line: int, column: int, message: str) -> None:
+    problem = only_problem(text)
+    assert (problem.line, problem.column, problem.message) == (line, column, message)
+    assert str(problem) == f"{SOURCE}:{line}:{column}: {message}"
+
+
+def test_a_schema_problem_has_a_key_path_and_no_column() -> None:
+    text = "lanes:\n  - {name: a, max_inflight: 0, deadline: 1s}\nclassification: {default_lane: a}\n"
+    problem = only_problem(text)
+    assert (problem.line, problem.column, problem.path) == (2, None, "lanes[0].max_inflight")
+    assert str(problem).startswith(f"{SOURCE}:2: lanes[0].max_inflight: ")
+
+
+@pytest.mark.parametrize("argv", [
+    ["policy", "check", "{bad}"],
+    ["policy", "diff", "{bad}", "{good}"],
+    ["policy", "explain", "{bad}", "--path", "/v1/chat/completions"],
+    ["simulate", "--policy", "{bad}"],
+], ids=lambda argv: " ".join(argv[:2]))
+def test_every_command_that_loads_a_policy_shows_line_and_column(
+        argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from extproc.cli import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("lanes:\n  - name: a\n\tmax_inflight: 1\n")
+    code = main([arg.format(bad=bad, good=EXAMPLE) for arg in argv])
+    out, err = capsys.readouterr()
+    assert code in (1, 2)
+    assert f"{bad}:3:1: not valid YAML: found character '\\t' that cannot start any token" in out + err
+    assert "(top level)" not in out + err
 
 
 # -- files ----------------------------------------------------------------------------------------

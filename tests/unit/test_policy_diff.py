@@ -92,10 +92,18 @@ def test_example_policy_against_demo_policy() -> None:
                                       "capacity.max_queued 300 → 600 (+100%)"]
     assert by_section["retry_after"] == ["retry_after.max 30s → 10s (−67%)",
                                          "retry_after.jitter 0.2 → 0.3 (+50%)"]
-    assert result.risks == (
-        "interactive: deadline cut from 10s to 1s: more requests rejected as deadline_unmeetable",
-        "batch: deadline cut from 60s to 8s: more requests rejected as deadline_unmeetable",
-    )
+    assert [risk.path for risk in result.risks] == [
+        "lanes.interactive.deadline", "lanes.interactive.borrow", "lanes.batch.deadline",
+        "lanes.batch.max_borrow",
+        "lanes.best-effort.deadline", "classification.rules.free-tier", "classification.rules.batch-api",
+        "classification.rules.chat.match.methods", "classification.rules.completions.match.methods",
+    ]
+    assert result.risks[0].text == ("interactive: deadline 10s → 1s: more requests rejected as "
+                                    "deadline_unmeetable or expired in the queue")
+    assert result.risks[5].text == ("rule free-tier added as rules[0] (tenant free → best-effort): chat, "
+                                    "completions after it no longer get the requests it matches")
+    assert result.risks[7].text == ("rule chat: match.methods [POST] removed: it now matches every method, "
+                                    "taking requests from later rules or the default lane best-effort")
     assert result.changes[0].path == "lanes.interactive.max_inflight"
 
 
@@ -117,7 +125,13 @@ def test_demo_policy_against_single_lane() -> None:
     assert "request bodies are no longer read (every request is sized as default_max_tokens)" in texts
     assert ("total slots 64 → 32 (−50%); where capacity.max_inflight is unset, it is the lanes' "
             "max_inflight summed") in texts
-    assert result.risks == ()
+    assert [risk.path for risk in result.risks] == [
+        "classification.default_lane", "classification.rules.free-tier", "classification.rules.chat",
+        "classification.rules.completions", "tenants.header", "tenants.default", "estimation.read_body",
+        "estimation.default", "capacity.max_inflight",
+    ]
+    assert result.risks[4].text == ("tenants.header x-extproc-client → unset: every request is now tenant "
+                                    "'default': one budget and one fair share for all")
 
 
 @pytest.mark.parametrize("name", ["policy.yaml", "demo-policy.yaml", "single-lane.yaml"])
@@ -250,8 +264,14 @@ def test_tenant_weights_and_trusted_headers() -> None:
         "tenants.weights.globex removed (was 1)",
         "tenants.weights.initech added: 2",
     ]
-    assert df.diff(a, b).risks == (
-        "x-team is now trusted: make sure your gateway sets or strips it, or clients can send it themselves",)
+    assert [(r.path, r.text) for r in df.diff(a, b).risks] == [
+        ("trusted_headers", "x-team is now trusted: make sure your gateway sets or strips it, or clients "
+         "can send it themselves"),
+        ("tenants.weights.acme", "tenant acme: weight 3 → 5: other tenants' queued requests get a smaller "
+         "share of freed slots"),
+        ("tenants.weights.initech", "tenant initech: weight 1 → 2: other tenants' queued requests get a "
+         "smaller share of freed slots"),
+    ]
 
 
 def test_estimation_models_added() -> None:
@@ -262,26 +282,7 @@ def test_estimation_models_added() -> None:
     assert lines(a, b) == ["estimation.models.mistral-7b added: {decode_ms_per_token 4}"]
 
 
-# -- risks -------------------------------------------------------------------------------------------
-
-
-def test_risky_lane_changes() -> None:
-    def edit(d: Data) -> None:
-        lane(d, "best-effort").update(evictable=False, closed=True)
-        lane(d, "interactive").update(max_inflight=4, max_queued=0)
-        lane(d, "batch").pop("max_borrow")
-
-    a, b = edited("policy.yaml", edit)
-    assert df.diff(a, b).risks == (
-        "interactive loses its queue (max_queued 0): requests that find no free slot are rejected",
-        "interactive: max_inflight cut from 8 to 4",
-        "batch may now borrow every idle slot (no max_borrow): a borrowed slot returns only when its "
-        "job ends",
-        "best-effort becomes non-evictable: when the queues are full (capacity.max_queued), higher lanes get "
-        "queue_full instead of taking its places",
-        "best-effort becomes closed: every request it gets is rejected (lane_closed)",
-        "no lane is evictable any more: a full capacity.max_queued rejects even the highest lanes",
-    )
+# -- risks (each kind of change → risk: tests/unit/test_policy_risk.py) ----------------------------------
 
 
 def test_capacity_below_the_lanes_limits() -> None:
@@ -289,24 +290,12 @@ def test_capacity_below_the_lanes_limits() -> None:
         d["capacity"]["max_inflight"] = 12
 
     a, b = edited("policy.yaml", edit)
-    assert df.diff(a, b).risks == (
+    assert [r.text for r in df.diff(a, b).risks] == [
+        "capacity.max_inflight 14 → 12: fewer requests run at once across all lanes; the rest queue or are "
+        "rejected",
         "capacity (12 slots) is below the lanes' max_inflight summed (14): the lanes cannot all reach their "
-        "limits at once",)
-
-
-def test_max_hold_default_lane_and_catch_all_rule() -> None:
-    def edit(d: Data) -> None:
-        d["capacity"]["max_hold"] = "120s"
-        d["classification"]["default_lane"] = "interactive"
-        d["classification"]["rules"].insert(1, {"name": "all", "lane": "batch"})
-
-    a, b = edited("policy.yaml", edit)
-    assert df.diff(a, b).risks == (
-        "capacity.max_hold 300s → 120s: it must equal the ext_proc filter's max_message_timeout; change "
-        "Envoy's config with it",
-        "unclassified requests now land in interactive (priority 100), no longer in best-effort (priority 0)",
-        "rule all matches every request: chat, completions after it can never match",
-    )
+        "limits at once",
+    ]
 
 
 def test_shadow_mode_on_and_off() -> None:
@@ -315,17 +304,41 @@ def test_shadow_mode_on_and_off() -> None:
 
     a, b = edited("policy.yaml", on)
     assert lines(a, b) == ["shadow false → true"]
-    assert df.diff(a, b).risks == (
-        "policy.shadow turns on: nothing is enforced any more; overload reaches the backend",)
-    assert df.diff(b, a).risks == (
-        "policy.shadow turns off: every lane not in shadow itself starts enforcing (queueing and rejecting)",)
+    assert [r.text for r in df.diff(a, b).risks] == [
+        "policy.shadow turns on: nothing is enforced any more; overload reaches the backend"]
+    assert [r.text for r in df.diff(b, a).risks] == [
+        "policy.shadow turns off: every lane not in shadow itself starts enforcing (queueing and rejecting)"]
 
     def lane_on(d: Data) -> None:
         lane(d, "batch")["shadow"] = True
 
     a, b = edited("policy.yaml", lane_on)
     assert lines(a, b) == ["batch: shadow false → true"]
-    assert df.diff(b, a).risks == ("batch leaves shadow mode: it starts enforcing (queueing and rejecting)",)
+    assert [r.text for r in df.diff(b, a).risks] == [
+        "batch leaves shadow mode: it starts enforcing (queueing and rejecting)"]
+
+
+def test_budgets_are_said_with_their_period() -> None:
+    def edit(d: Data) -> None:
+        d["ratelimit"]["budgets"]["tenants"]["free"] = {"requests": 20}
+        d["ratelimit"]["budgets"]["default"] = {"requests": 300, "per": "minute", "burst": 2}
+        d["ratelimit"]["budgets"]["tenants"]["acme"]["per"] = "hour"
+
+    a, b = edited("fleet-policy.yaml", edit)
+    assert [c.text for c in df.diff(a, b).changes if c.section == "ratelimit"] == [
+        "ratelimit.budgets.default 600 requests per minute → 300 requests per minute, burst 2",
+        "ratelimit.budgets.tenants.acme 6000 requests per minute → 6000 requests per hour",
+        "ratelimit.budgets.tenants.free added: 20 requests per minute",
+    ]
+    assert [(r.path, r.text) for r in df.diff(a, b).risks] == [
+        ("ratelimit.budgets.default", "ratelimit.budgets.default 600 requests per minute → 300 requests per "
+         "minute, burst 2: tenants without a budget of their own: more of its requests are refused at the "
+         "edge (429)"),
+        ("ratelimit.budgets.tenants.acme", "tenant acme's budget 6000 requests per minute → 6000 requests "
+         "per hour: more of its requests are refused at the edge (429)"),
+        ("ratelimit.budgets.tenants.free", "tenant free's budget 600 requests per minute (the default) → 20 "
+         "requests per minute: more of its requests are refused at the edge (429)"),
+    ]
 
 
 # -- fields the schema may gain ---------------------------------------------------------------------------
@@ -381,8 +394,29 @@ def test_command_text_and_exit_code(capsys: pytest.CaptureFixture[str]) -> None:
     a, b = str(EXAMPLES / "policy.yaml"), str(EXAMPLES / "demo-policy.yaml")
     code, out, _ = run([a, b], capsys)
     assert code == 1
-    assert out.startswith(f"{a} → {b}: 26 changes\n\nlanes\n  interactive: max_inflight 8 → 50 (+525%)\n")
-    assert "\nrisks\n  ! interactive: deadline cut from 10s to 1s" in out
+    # Risks first: what to read before applying; then every change, section by section.
+    assert out.startswith(
+        f"{a} → {b}: 26 changes, 9 risks\n\n"
+        "risks: what can refuse or reorder more traffic than before\n"
+        "  ! interactive: deadline 10s → 1s: more requests rejected as deadline_unmeetable or expired in the "
+        "queue\n")
+    text = out.split("\n")
+    risks_end = text.index("", 3)
+    assert risks_end - 3 == 9
+    assert all(line.startswith("  ! ") for line in text[3:risks_end])
+    assert text[risks_end + 1:risks_end + 3] == ["lanes", "  interactive: max_inflight 8 → 50 (+525%)"]
+    assert out.index("\nretry_after\n") > out.index("\nlanes\n") > out.index("\nrisks: ")
+
+
+def test_command_text_without_risks(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    data = example_data("policy.yaml")
+    lane(data, "batch")["deadline"] = "90s"
+    other = tmp_path / "other.yaml"
+    other.write_text(yaml.safe_dump(data))
+    a = str(EXAMPLES / "policy.yaml")
+    code, out, _ = run([a, str(other)], capsys)
+    assert (code, out) == (
+        1, f"{a} → {other}: 1 change, no risks\n\nlanes\n  batch: deadline 60s → 90s (+50%)\n")
 
 
 def test_command_json(capsys: pytest.CaptureFixture[str]) -> None:
@@ -393,15 +427,18 @@ def test_command_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert (doc["a"], doc["b"], doc["same"]) == (a, b, False)
     assert {"section": "lanes", "path": "lanes.interactive.deadline",
             "text": "interactive: deadline 1s → 10s (+900%)"} in doc["changes"]
-    assert doc["risks"] == [
-        "interactive: max_inflight cut from 50 to 8",
-        "interactive may now borrow every idle slot (no max_borrow): a borrowed slot returns only when its "
-        "job ends",
-        "batch: max_inflight cut from 10 to 4",
-        "best-effort: max_inflight cut from 4 to 2",
+    assert doc["risks"][:2] == [
+        {"path": "lanes.interactive.max_inflight",
+         "text": "interactive: max_inflight 50 → 8: fewer of its requests run at once; the rest queue or are "
+                 "rejected"},
+        {"path": "lanes.interactive.max_queued",
+         "text": "interactive: max_queued 256 → 64: its queue fills sooner, then requests are rejected "
+                 "(queue_full)"},
     ]
+    assert len(doc["risks"]) == 18
     code, out, _ = run([a, a, "--json"], capsys)
-    assert (code, json.loads(out)["same"], json.loads(out)["changes"]) == (0, True, [])
+    assert (code, json.loads(out)["same"], json.loads(out)["changes"], json.loads(out)["risks"]) == (
+        0, True, [], [])
 
 
 def test_command_bad_policies_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -413,3 +450,23 @@ def test_command_bad_policies_exit_2(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert (code, out) == (2, "")
     assert f"{missing}: 1 problem(s)\n  {missing}: (top level): cannot read file" in err
     assert f"{bad}: 1 problem(s)\n  {bad}:2: lanes[0].max_inflight:" in err
+
+
+def test_the_operator_guide_example_is_what_diff_prints(tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    guide = (ROOT / "docs" / "operator-guide.md").read_text()
+    start = guide.index("   in-force.yaml → policy.yaml:")
+    block = guide[start:guide.index("   ```", start)]
+    shown = "\n".join(line.removeprefix("   ") for line in block.splitlines())
+    data = example_data("fleet-policy.yaml")
+    (tmp_path / "in-force.yaml").write_text(yaml.safe_dump(data))
+    lane(data, "batch")["deadline"] = "30s"
+    data["classification"]["rules"].insert(0, {"name": "free-tier", "match": {"tenants": ["free"]},
+                                               "lane": "best-effort"})
+    data["ratelimit"]["budgets"]["tenants"]["free"] = {"requests": 20}
+    data["ratelimit"]["budgets"]["max_tenants"] = 50_000
+    (tmp_path / "policy.yaml").write_text(yaml.safe_dump(data))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path)
+        code, out, _ = run(["in-force.yaml", "policy.yaml"], capsys)
+    assert (code, out) == (1, shown + "\n")

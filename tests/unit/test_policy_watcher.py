@@ -255,6 +255,29 @@ async def test_the_sandbox_returns_the_same_policy_and_the_same_problems(tmp_pat
     assert [str(p) for p in caught.value.problems] == [str(p) for p in inline.value.problems]
 
 
+async def test_the_sandbox_keeps_the_column_of_a_yaml_error() -> None:
+    text = b"lanes: [1, 2\nclassification: {}\n"
+    with pytest.raises(PolicyError) as caught:
+        await decode_isolated(text, "p.yaml")
+    with pytest.raises(PolicyError) as inline:
+        decode_policy(text, "p.yaml")
+    assert caught.value.problems == inline.value.problems
+    (problem,) = caught.value.problems
+    assert str(problem).startswith("p.yaml:2:15: not valid YAML: expected ',' or ']', but got ':'")
+
+
+async def test_a_reload_of_invalid_yaml_reports_line_and_column(tmp_path: Path) -> None:
+    path = tmp_path / "policy.yaml"
+    path.write_text(GOOD)
+    pf = PolicyFile(str(path), load_policy(path), lambda _: None)  # the sandbox decodes, as when serving
+    path.write_text("lanes:\n  - name: a\n\tmax_inflight: 1\n")
+    result = await pf.reload("watch")
+    assert not result.ok
+    assert result.problems == (
+        f"{path}:3:1: not valid YAML: found character '\\t' that cannot start any token",)
+    assert pf.last_error == result.problems
+
+
 async def test_a_yaml_alias_bomb_is_stopped_by_the_time_cap() -> None:
     loop = asyncio.get_running_loop()
     cap = 1.5

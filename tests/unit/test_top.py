@@ -89,18 +89,19 @@ def row(frame: str, name: str) -> str:
 
 
 def status_of(frame: str, name: str) -> str:
-    """A lane's status words: the FLAGS column of its row and of the lines it wraps onto."""
+    """A lane's status words: its row's FLAGS column (never wrapped), or the lines under its row."""
     lines = lines_of(frame)
     start = lines.index(row(frame, name))
     head = next(line for line in lines if line.startswith("LANE"))
-    column = head.find("FLAGS")
-    assert column > 0, frame
-    words = [lines[start][column:]]
+    below = []
     for line in lines[start + 1:]:
-        if line[:column].strip() or not line.strip():
+        if not line.startswith("  ") or line.startswith("   "):
             break
-        words.append(line[column:])
-    return " ".join(w.strip() for w in words)
+        below.append(line.strip())
+    if "FLAGS" in head:
+        assert below == [], f"the FLAGS column wrapped under {name}:\n{frame}"
+        return lines[start][head.find("FLAGS"):].strip()
+    return ", ".join(below)
 
 
 def assert_fits(frame: str, width: int, height: int | None = None) -> None:
@@ -196,7 +197,12 @@ def test_80x24_keeps_every_lane_with_its_bars_and_status_words() -> None:
     interactive = row(frame, "interactive")
     assert re.search(r"^interactive +█·+ 3/50 +·+ +0/200 +10ms/200ms +12\.3 +0\.50$", interactive)
     assert re.search(r"^batch +█+ +8/5 +█+·+ 120/200 ", row(frame, "batch"))
-    # No room beside the numbers for all of them: the status words wrap in their own column.
+    # No room beside the numbers for all of them: each lane's status words go on a line under its
+    # row, whole; every row stays one line.
+    head = next(line for line in lines_of(frame) if line.startswith("LANE"))
+    assert re.fullmatch(r"LANE +IN FLIGHT +QUEUED +WAIT p50/p95 +ADM/s +REJ/s", head)
+    assert lines_of(frame)[lines_of(frame).index(interactive) + 1].startswith("batch ")
+    assert lines_of(frame)[lines_of(frame).index(row(frame, "batch")) + 1] == "  LIMIT 10→5, BORROW 3"
     assert status_of(frame, "batch") == "LIMIT 10→5, BORROW 3"
     assert status_of(frame, "best-effort") == "SHED kueue-backlog"
     assert status_of(frame, "experimental") == "PAUSED, SHADOW, would reject 1.2/s"
@@ -209,10 +215,43 @@ def test_80x24_keeps_every_lane_with_its_bars_and_status_words() -> None:
 def test_narrower_than_the_bars_drops_the_bars_not_the_numbers() -> None:
     state = realistic()
     del state.lanes[2:]
-    frame = render(state, 72, 40)
-    assert_fits(frame, 72, 40)
+    frame = render(state, 60, 40)
+    assert_fits(frame, 60, 40)
     assert "█" not in row(frame, "batch")
-    assert re.search(r"^batch +8/5 +120/200 +1\.50s/12\.8s +3\.2 +4\.0  LIMIT", row(frame, "batch"))
+    assert re.search(r"^batch +8/5 +120/200 +1\.50s/12\.8s +3\.2 +4\.0$", row(frame, "batch"))
+    assert status_of(frame, "batch") == "LIMIT 10→5, BORROW 3"
+
+
+def test_status_words_beside_the_numbers_only_when_the_longest_fits_on_its_row() -> None:
+    state = realistic()
+    del state.lanes[3:]  # the longest left: "SHED kueue-backlog"
+    frame = render(state, 100, 40)
+    assert_fits(frame, 100, 40)
+    assert row(frame, "batch").endswith("4.0  LIMIT 10→5, BORROW 3")
+    assert status_of(frame, "best-effort") == "SHED kueue-backlog"
+    state.lanes[2].shed = "a-saturation-rule-with-a-long-name"
+    frame = render(state, 100, 40)
+    assert_fits(frame, 100, 40)
+    assert "FLAGS" not in frame
+    assert status_of(frame, "best-effort") == "SHED a-saturation-rule-with-a-long-name"
+
+
+@pytest.mark.parametrize("width", [80, 61, 47, 33, 20])
+def test_every_status_word_is_shown_whole_at_any_width(width: int) -> None:
+    """At 80 columns (and narrower) no row wraps, no line is too long, and every status word is
+    there in full: a lane with all of them keeps all of them, broken onto lines between words."""
+    state = realistic()
+    state.lanes.append(lane("everything", closed=True, retired=True, paused=True, shed="kv", shadow=True,
+                            limit=8, effective_limit=2, borrowed=1, shadow_reject_per_s=3.5))
+    frame = render(state, width, None)
+    assert_fits(frame, width)
+    words = ["CLOSED", "RETIRED", "PAUSED", "SHED kv", "SHADOW", "LIMIT 8→2", "BORROW 1",
+             "would reject 3.5/s"]
+    lines = lines_of(frame)
+    # Each word on one line, whole (a word of a line of words may end it, or be followed by ", ").
+    found = [w for w in words if any(re.search(rf"(^|  |, ){re.escape(w)}(,|$)", line) for line in lines)]
+    assert found == words, frame
+    assert "…" not in "".join(line for line in lines if "SHED kv" in line or "would reject" in line)
 
 
 @pytest.mark.parametrize("width", [20, 30, 40, 50])
