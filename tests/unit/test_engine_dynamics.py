@@ -29,6 +29,8 @@ from extproc.sim.profiles import (
     get_profile,
     linear_steps,
 )
+from extproc.sim.simulate import Simulator, capacity_for_mix, capacity_rps
+from extproc.sim.workload import generate, load_spec
 from tests.unit.test_sim_engine import Arrival, drive, finished
 
 #: A step of 10 ms + 1 ms per sequence; 0.1 ms per prefill token.
@@ -473,3 +475,29 @@ def test_an_engine_read_through_buckets_answers_what_a_scrape_would() -> None:
     assert coarse.recent_ttft_p95(1.0) == pytest.approx(0.01 + 0.015 * 0.95)
     assert exact.recent_itl_p95(1.0) == pytest.approx(step(1))
     assert coarse.recent_itl_p95(1.0) == pytest.approx(0.01 + 0.015 * 0.95)
+
+
+# -- capacity --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["llama-8b-l40s-tgi", "llama-13b-a100-v0"])
+def test_capacity_is_what_the_engine_completes_when_overloaded(name: str) -> None:
+    profile = get_profile(name)
+    base = load_spec("examples/workloads/chatbot.yaml")
+    capacity = capacity_rps(profile, 0.5, base)
+    # Twice that, every request kept (no admission control, patient clients): the engine's own rate.
+    patient = base.client.model_copy(update={"timeout": 1e6, "max_retries": 0})
+    spec = base.model_copy(update={"arrivals": base.arrivals.model_copy(update={"rate": 2 * capacity}),
+                                   "client": patient})
+    run = Simulator(profile, time_scale=0.5, client=spec.client, seed=1).run(generate(spec, 1200.0, 1), None)
+    ends = sorted(r.at + r.e2e for r in run.results if r.e2e is not None)
+    completed = sum(1 for end in ends if 200 <= end <= 1200) / 1000
+    assert completed == pytest.approx(capacity, rel=0.08)
+    assert capacity_rps(profile, 1.0, base) == pytest.approx(capacity / 2)
+
+
+def test_capacity_without_a_sample_spreads_outputs_and_refuses_a_batch_size() -> None:
+    rate = capacity_for_mix(LLAMA_13B_A100_V0, 1.0, 300, 440)
+    assert 0 < rate < capacity_for_mix(LLAMA_13B_A100_V0, 1.0, 300, 50)
+    with pytest.raises(ValueError, match="a batch size applies to vLLM-like dynamics only"):
+        capacity_for_mix(LLAMA_13B_A100_V0, 1.0, 300, 440, batch=32)
