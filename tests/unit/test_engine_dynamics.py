@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from extproc.signals.scrape import histogram_quantile
+from extproc.sim.backend import stream_pieces
 from extproc.sim.dynamics import PROMETHEUS_DEFAULT, VLLM, Dynamics, Histograms
 from extproc.sim.engine import Engine, Event, FirstToken
 from extproc.sim.latencies import bucket_quantile
@@ -475,6 +476,27 @@ def test_an_engine_read_through_buckets_answers_what_a_scrape_would() -> None:
     assert coarse.recent_ttft_p95(1.0) == pytest.approx(0.01 + 0.015 * 0.95)
     assert exact.recent_itl_p95(1.0) == pytest.approx(step(1))
     assert coarse.recent_itl_p95(1.0) == pytest.approx(0.01 + 0.015 * 0.95)
+
+
+# -- streams every K tokens ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("sent", "upto", "final", "every", "pieces"), [
+    (0, 5, False, None, [(0, 5, False)]),
+    (5, 5, False, None, []),
+    (5, 5, True, None, [(5, 5, True)]),
+    (0, 1, False, 8, [(0, 1, False)]),
+    (0, 12, False, 8, [(0, 1, False), (1, 9, False)]),
+    (9, 16, False, 8, []),
+    (9, 25, False, 8, [(9, 17, False), (17, 25, False)]),
+    (9, 30, True, 8, [(9, 17, False), (17, 25, False), (25, 30, True)]),
+    (9, 17, True, 8, [(9, 17, True)]),
+    (17, 17, True, 8, [(17, 17, True)]),
+    (0, 1, True, 8, [(0, 1, True)]),
+])
+def test_stream_pieces(sent: int, upto: int, final: bool, every: int | None,
+                       pieces: list[tuple[int, int, bool]]) -> None:
+    assert stream_pieces(sent, upto, final, every) == pieces
 
 
 # -- capacity --------------------------------------------------------------------------------------
