@@ -37,7 +37,7 @@ llama-13b-a100-v0 at x0.5 (45 s each), `--runs` seeded runs each (default 3: see
 ...; the same requests for auto and static within a seed). A live figure moves from run to run:
 `ratio` is the median of the runs' ratios, each in `ratios` (and in `runs`, with each run's
 goodputs and refusals); `best_static_goodput`/`auto_goodput` are medians, `interactive_refused`
-sums the runs. The whole bench takes about 45 minutes, the live runs most of it.
+sums the runs. The whole bench should take about 45 minutes, the live runs most of it.
 
     .venv/bin/python bench/adaptive.py [--quick] [--no-live] [--runs N] [--profiles NAME,...]
 
