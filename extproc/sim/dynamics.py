@@ -119,11 +119,6 @@ class Dynamics:
         if problems:
             raise ValueError("engine dynamics: " + "; ".join(problems))
 
-    @property
-    def gated(self) -> bool:
-        """Whether a running batch ever holds waiting requests back (admit_every_steps > 1)."""
-        return self.admit_every_steps > 1
-
 
 #: vLLM's (V1) behaviour: what every profile has unless it says otherwise.
 VLLM_V1 = Dynamics()
