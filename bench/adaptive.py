@@ -5,7 +5,17 @@ examples/auto-policy.yaml twice in the simulator: with its self-sizing limit, an
 static limit of a sweep (the same policy sized at N slots). The best static N is what an SRE
 would have had to find by hand; `ratio` is auto's goodput over that best static's. Profiles:
 llama-70b-2xh100 (x0.1), llama-8b-h100 (x1), llama-8b-l4 (x1: one small GPU, little KV cache),
-and the 70B with a long-prompt variant of the workload (mean prompt 3,000 tokens).
+the 70B with a long-prompt variant of the workload (mean prompt 3,000 tokens), and two engines
+whose dynamics differ from the vLLM-like model the limit was tuned on (extproc/sim/dynamics.py),
+each at x0.5: llama-8b-l40s-tgi (a TGI-like server: a step of a large fixed cost plus a little
+per sequence up to a cap of 48, new requests taken only every 20 steps, prefill stalling the
+decode, gauges published per step, a stream event per 8 tokens, the Prometheus client's default
+buckets) and llama-13b-a100-v0 (vLLM's V0 scheduler without chunked prefill on a KV cache that
+bounds the batch: prefill first and whole, stalling every decode; preemption and recompute).
+The engines' capacity is simulate.capacity_rps: a formula for the vLLM-like ones, the engine
+model saturated with the workload's sample for the others. `interactive_refused` (every profile):
+the interactive lane's requests whose first attempt was refused (429 or 503) over the whole run,
+for `auto` and `best_static`.
 
 `cold_start[LOAD][WHO]` (each simulated profile): from a cold start (one replica without a store, an
 idle engine) at 0.4x, 1x and 2x the engine's capacity, over the first 30 s, the interactive lane's
@@ -21,12 +31,18 @@ simulated backend, llama-70b-2xh100 at x0.1, wall-clock seconds, the limit read 
 /admin/state every 0.5 s), with the best static limit through the same live step beside it
 (`step_live.static`).
 
-Live (Envoy + extproc + sim backend), only auto and the simulator's best static run, on
-llama-70b-2xh100 at x0.1 and llama-8b-h100 at x1, same requests for both.
+Live (Envoy + extproc + sim backend), auto and the simulator's best static run on
+llama-70b-2xh100 at x0.1 (60 s of arrivals), llama-8b-h100 at x1 (120 s), llama-8b-l40s-tgi and
+llama-13b-a100-v0 at x0.5 (45 s each), `--runs` seeded runs each (default 3: seeds SEED, SEED+1,
+...; the same requests for auto and static within a seed). A live figure moves from run to run:
+`ratio` is the median of the runs' ratios, each in `ratios` (and in `runs`, with each run's
+goodputs and refusals); `best_static_goodput`/`auto_goodput` are medians, `interactive_refused`
+sums the runs. The whole bench should take about 45 minutes, the live runs most of it.
 
-    .venv/bin/python bench/adaptive.py [--quick] [--no-live]
+    .venv/bin/python bench/adaptive.py [--quick] [--no-live] [--runs N] [--profiles NAME,...]
 
-Writes bench/results/adaptive.json and bench/results/adaptive.png.
+`--profiles` runs only those (sim and live; the step needs llama-70b-2xh100). Writes
+bench/results/adaptive.json and bench/results/adaptive.png.
 """
 
 from __future__ import annotations
@@ -37,6 +53,7 @@ import contextlib
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -62,7 +79,15 @@ WORKLOAD = ROOT / "examples" / "workloads" / "chatbot.yaml"
 LOAD = 1.5
 SEED = 1
 PROFILES = [("llama-70b-2xh100", 0.1, "chatbot"), ("llama-8b-h100", 1.0, "chatbot"),
-            ("llama-8b-l4", 1.0, "chatbot"), ("llama-70b-2xh100", 0.1, "long-prompt")]
+            ("llama-8b-l4", 1.0, "chatbot"), ("llama-70b-2xh100", 0.1, "long-prompt"),
+            # Engines unlike the vLLM-like model the limit was tuned on (extproc/sim/dynamics.py), at
+            # x0.5: a 2,000-token answer then fits the workload's 60 s E2E SLO, as on the 70B at x0.1.
+            ("llama-8b-l40s-tgi", 0.5, "chatbot"), ("llama-13b-a100-v0", 0.5, "chatbot")]
+#: Live: (profile, time scale, seconds of arrivals per run). An 8B answer takes seconds of wall-clock
+#: time at x1 (ten times the 70B's at x0.1): it gets twice the arrivals, or the first seconds' slow
+#: start weigh as much as the rest. The new engines' runs are shorter (each run stays near 75 s).
+LIVE = [("llama-70b-2xh100", 0.1, 60.0), ("llama-8b-h100", 1.0, 120.0), ("llama-8b-l40s-tgi", 0.5, 45.0),
+        ("llama-13b-a100-v0", 0.5, 45.0)]
 SWEEP = [8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512]
 #: Each simulated profile runs at least this long and until this many requests have arrived (up to
 #: MAX_SIM_S): a slow engine's few requests make a noisy goodput, and the best of a noisy sweep is
@@ -70,14 +95,14 @@ SWEEP = [8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512]
 MIN_REQUESTS, MAX_SIM_S = 15_000, 3_600.0
 
 
-def workload(variant: str, profile: str, time_scale: float, duration: float, load: float = LOAD
-             ) -> tuple[WorkloadSpec, list[Request]]:
+def workload(variant: str, profile: str, time_scale: float, duration: float, load: float = LOAD,
+             seed: int = SEED) -> tuple[WorkloadSpec, list[Request]]:
     spec = load_spec(WORKLOAD)
     if variant == "long-prompt":
         spec = spec.model_copy(update={"lengths": spec.lengths.model_copy(update={"prompt_mean": 3000})})
     rate = capacity_rps(get_profile(profile), time_scale, spec) * load
     spec = spec.model_copy(update={"arrivals": spec.arrivals.model_copy(update={"rate": rate})})
-    return spec, generate(spec, duration, SEED)
+    return spec, generate(spec, duration, seed)
 
 
 def slos(spec: WorkloadSpec) -> dict[str, Slo]:
@@ -105,22 +130,25 @@ def sim_profile(policy: Policy, name: str, time_scale: float, variant: str, leas
     spec, arrivals = workload(variant, name, time_scale, duration)
     profile = get_profile(name)
     sim = Simulator(profile, time_scale=time_scale, client=spec.client, seed=SEED)
-    sweep = {}
+    sweep, refused = {}, {}
     for n in SWEEP:
         if n > 2 * profile.max_running:
             break
-        sweep[n] = goodput(sim.run(arrivals, static(policy, n)).results, spec, duration)
+        results = sim.run(arrivals, static(policy, n)).results
+        sweep[n], refused[n] = goodput(results, spec, duration), interactive_refused(results)
     auto_run = sim.run(arrivals, policy)
     auto = goodput(auto_run.results, spec, duration)
     best = max(sweep, key=lambda n: sweep[n])
     limits = [limit for _, limit, _, _ in auto_run.timeline]
     cold = cold_start(policy, name, time_scale, variant, best)
-    return {"name": name if variant == "chatbot" else f"{name}/{variant}", "mode": "sim",
+    return {"name": profile_name(name, variant), "mode": "sim",
             "cold_start": cold,
             "time_scale": time_scale, "rate": round(spec.arrivals.rate, 2), "requests": len(arrivals),
             "duration_s": round(duration, 1),
             "best_static": best, "best_static_goodput": round(sweep[best], 3), "auto_goodput": round(auto, 3),
             "ratio": round(auto / sweep[best], 3) if sweep[best] else None,
+            "interactive_refused": {"auto": interactive_refused(auto_run.results),
+                                    "best_static": refused[best]},
             "sweep": {str(n): round(g, 3) for n, g in sweep.items()},
             "auto_limit_median": sorted(limits)[len(limits) // 2] if limits else None}
 
@@ -149,9 +177,14 @@ def cold_start(policy: Policy, name: str, time_scale: float, variant: str, best:
 def cold_window(results: list[Result], since: float = 0.0) -> dict[str, Any]:
     """The interactive lane over ``COLD_WINDOW_S`` from ``since``: first attempts refused, TTFT p99."""
     rows = [r for r in results if r.cls == "interactive" and since <= r.at < since + COLD_WINDOW_S]
-    refused = sum(1 for r in rows if r.attempts > 1 or r.status in (429, 503))
-    return {"refused": refused, "ttft_p99_s": p99([r.ttft for r in rows if r.ttft is not None]),
-            "requests": len(rows)}
+    return {"refused": interactive_refused(rows),
+            "ttft_p99_s": p99([r.ttft for r in rows if r.ttft is not None]), "requests": len(rows)}
+
+
+def interactive_refused(results: list[Result]) -> int:
+    """Interactive requests whose first attempt was refused (answered 429 or 503: it was retried, or
+    that was its answer)."""
+    return sum(1 for r in results if r.cls == "interactive" and (r.attempts > 1 or r.status in (429, 503)))
 
 
 def settle(timeline: list[tuple[float, int]], start: float, end: float) -> float | None:
@@ -236,13 +269,13 @@ async def _sample(admin: int, out: list[tuple[float, int]], t0: float, stop: asy
                 await asyncio.wait_for(stop.wait(), 0.5)
 
 
-async def _drive(url: str, requests: list[Request], spec: WorkloadSpec, admin: int, drain: float
+async def _drive(url: str, requests: list[Request], spec: WorkloadSpec, admin: int, drain: float, seed: int
                  ) -> tuple[list[Result], list[tuple[float, int]]]:
     limits: list[tuple[float, int]] = []
     stop = asyncio.Event()
     sampler = asyncio.create_task(_sample(admin, limits, time.monotonic(), stop))
     try:
-        results = await run_load(url, requests, spec.client, seed=SEED, drain_timeout=drain)
+        results = await run_load(url, requests, spec.client, seed=seed, drain_timeout=drain)
     finally:
         stop.set()
         await sampler
@@ -250,15 +283,15 @@ async def _drive(url: str, requests: list[Request], spec: WorkloadSpec, admin: i
 
 
 def live_run(policy_file: Path, profile: str, time_scale: float, requests: list[Request],
-             spec: WorkloadSpec, workdir: Path, drain: float, schedule: str | None = None
+             spec: WorkloadSpec, workdir: Path, drain: float, schedule: str | None = None, seed: int = SEED
              ) -> tuple[list[Result], list[tuple[float, int]]]:
     with localstack.stack(workdir) as s:
-        quiet = ["--log-level", "warning", "--seed", str(SEED)]
+        quiet = ["--log-level", "warning", "--seed", str(seed)]
         gateway = s.gateway(policy_file, profile, time_scale, extproc_args=quiet,
                             backend_args=["--stream-interval", "0.1", *quiet,
                                           *(["--capacity-schedule", schedule] if schedule else [])])
         assert gateway.admin is not None
-        return asyncio.run(_drive(gateway.url, requests, spec, gateway.admin, drain))
+        return asyncio.run(_drive(gateway.url, requests, spec, gateway.admin, drain, seed))
 
 
 def write_static(policy: Policy, n: int, path: Path) -> Path:
@@ -268,29 +301,57 @@ def write_static(policy: Policy, n: int, path: Path) -> Path:
     return path
 
 
-def live(policy: Policy, sims: list[dict[str, Any]], duration: float, drain: float, workdir: Path
+def live(policy: Policy, sims: list[dict[str, Any]], scale: float, drain: float, runs: int, workdir: Path
          ) -> list[dict[str, Any]]:
+    """Each live profile whose simulation ran: ``runs`` seeded runs (SEED, SEED+1, ...) of auto and of
+    the simulator's best static limit, the same requests for both within a run; ``ratio`` is the
+    median of the runs' ratios (each in ``ratios``), refusals are summed over the runs."""
     out = []
-    for name, time_scale in (("llama-70b-2xh100", 0.1), ("llama-8b-h100", 1.0)):
-        best = next(p["best_static"] for p in sims if p["name"] == name)
-        # An 8B answer takes seconds of wall-clock time at x1 (ten times the 70B's at x0.1): give it
-        # twice the arrivals, or the first seconds' slow start weigh as much as the rest.
-        seconds = duration * (2 if time_scale >= 1 else 1)
-        spec, requests = workload("chatbot", name, time_scale, seconds)
+    for name, time_scale, seconds in LIVE:
+        best = next((p["best_static"] for p in sims if p["name"] == name), None)
+        if best is None:
+            continue
+        seconds *= scale
         static_file = write_static(policy, best, workdir / f"static-{name}.yaml")
-        print(f"live {name}: static {best}", file=sys.stderr)
-        static_results, _ = live_run(static_file, name, time_scale, requests, spec,
-                                     workdir / f"{name}-static", drain)
-        print(f"live {name}: auto", file=sys.stderr)
-        auto_results, limits = live_run(AUTO, name, time_scale, requests, spec, workdir / f"{name}-auto",
-                                        drain)
-        g_static, g_auto = goodput(static_results, spec, seconds), goodput(auto_results, spec, seconds)
+        each = [live_seed(name, time_scale, seconds, static_file, best, drain, SEED + i, workdir)
+                for i in range(runs)]
+        ratios = [r["ratio"] for r in each if r["ratio"] is not None]
+        spec, _ = workload("chatbot", name, time_scale, 1.0)
         out.append({"name": name, "mode": "live", "time_scale": time_scale, "duration_s": seconds,
-                    "rate": round(spec.arrivals.rate, 2), "requests": len(requests), "best_static": best,
-                    "best_static_goodput": round(g_static, 3), "auto_goodput": round(g_auto, 3),
-                    "ratio": round(g_auto / g_static, 3) if g_static else None,
-                    "auto_limit_last": limits[-1][1] if limits else None})
+                    "rate": round(spec.arrivals.rate, 2), "requests": each[0]["requests"],
+                    "best_static": best,
+                    "best_static_goodput": median([r["best_static_goodput"] for r in each]),
+                    "auto_goodput": median([r["auto_goodput"] for r in each]),
+                    "ratio": median(ratios) if ratios else None, "ratios": ratios,
+                    "interactive_refused": {who: sum(r["interactive_refused"][who] for r in each)
+                                            for who in ("auto", "best_static")},
+                    "auto_limit_last": each[-1]["auto_limit_last"], "runs": each})
     return out
+
+
+def live_seed(name: str, time_scale: float, seconds: float, static_file: Path, best: int, drain: float,
+              seed: int, workdir: Path) -> dict[str, Any]:
+    """One seeded live run: the best static limit, then auto, through the same requests."""
+    spec, requests = workload("chatbot", name, time_scale, seconds, seed=seed)
+    print(f"live {name} seed {seed}: static {best}", file=sys.stderr)
+    static_results, _ = live_run(static_file, name, time_scale, requests, spec,
+                                 workdir / f"{name}-{seed}-static", drain, seed=seed)
+    print(f"live {name} seed {seed}: auto", file=sys.stderr)
+    auto_results, limits = live_run(AUTO, name, time_scale, requests, spec, workdir / f"{name}-{seed}-auto",
+                                    drain, seed=seed)
+    g_static, g_auto = goodput(static_results, spec, seconds), goodput(auto_results, spec, seconds)
+    return {"seed": seed, "requests": len(requests), "best_static_goodput": round(g_static, 3),
+            "auto_goodput": round(g_auto, 3), "ratio": round(g_auto / g_static, 3) if g_static else None,
+            "interactive_refused": {"auto": interactive_refused(auto_results),
+                                    "best_static": interactive_refused(static_results)},
+            "auto_limit_last": limits[-1][1] if limits else None}
+
+
+def median(values: list[float]) -> float | None:
+    """The median (of an even count, the mean of the middle two), rounded; None if empty."""
+    if not values:
+        return None
+    return round(statistics.median(values), 3)
 
 
 def live_step(policy: Policy, best: int, duration: float, drain: float, workdir: Path
@@ -358,55 +419,93 @@ def plot(run: Run, third: float, live: tuple[list[tuple[float, int]], float] | N
     return True
 
 
-def main() -> int:
+def profile_name(name: str, variant: str) -> str:
+    return name if variant == "chatbot" else f"{name}/{variant}"
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="shorter runs (a smoke test)")
     parser.add_argument("--no-live", action="store_true", help="the simulator only")
+    parser.add_argument("--runs", type=int, default=3, metavar="N",
+                        help="seeded live runs of auto and of the best static per profile (default 3)")
+    parser.add_argument("--profiles", metavar="NAME[,NAME...]",
+                        help="only these profiles (as named in the output, e.g. llama-8b-l40s-tgi or "
+                             "llama-70b-2xh100/long-prompt); the step runs only with llama-70b-2xh100")
     parser.add_argument("--out", default=str(RESULTS / "adaptive"))
     args = parser.parse_args()
+    if args.runs < 1:
+        parser.error("--runs must be at least 1")
+    known = [profile_name(name, variant) for name, _, variant in PROFILES]
+    args.only = set(known)
+    if args.profiles:
+        args.only = {name.strip() for name in args.profiles.split(",") if name.strip()}
+        unknown = sorted(args.only - set(known))
+        if unknown or not args.only:
+            parser.error(f"--profiles: unknown {', '.join(unknown) or 'nothing'}; known: {', '.join(known)}")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
     policy = load_policy(AUTO)
     sim_duration = 120.0 if args.quick else 300.0
     started = time.perf_counter()
     sims = []
     for name, time_scale, variant in PROFILES:
+        if profile_name(name, variant) not in args.only:
+            continue
         print(f"sim {name} {variant}", file=sys.stderr)
         sims.append(sim_profile(policy, name, time_scale, variant, sim_duration,
                                 2_000 if args.quick else MIN_REQUESTS))
-    best = next(p["best_static"] for p in sims if p["name"] == "llama-70b-2xh100")
-    step, step_run, third = sim_step(policy, sim_duration, best)
     doc: dict[str, Any] = {
         "benchmark": "adaptive", "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "parameters": {"load": LOAD, "seed": SEED, "policy": "examples/auto-policy.yaml",
                        "workload": "examples/workloads/chatbot.yaml", "sim_duration_s": sim_duration,
-                       "sim_min_requests": MIN_REQUESTS},
-        "profiles": sims, "step": step,
+                       "sim_min_requests": MIN_REQUESTS, "live_runs": args.runs},
+        "profiles": sims,
     }
+    best = next((p["best_static"] for p in sims if p["name"] == "llama-70b-2xh100"), None)
+    stepped = sim_step(policy, sim_duration, best) if best is not None else None
+    if stepped is not None:
+        doc["step"] = stepped[0]
     live_limits: tuple[list[tuple[float, int]], float] | None = None
     if not args.no_live:
         with tempfile.TemporaryDirectory(prefix="adaptive-") as tmp:
-            live_duration, drain = (30.0, 15.0) if args.quick else (60.0, 25.0)
-            doc["profiles"] = sims + live(policy, sims, live_duration, drain, Path(tmp))
-            live_duration_step = 45.0 if args.quick else 90.0
-            doc["step_live"], limits = live_step(policy, best, live_duration_step, drain, Path(tmp))
-            doc["step_live"]["limit_timeline"] = [[round(t, 2), n] for t, n in limits]
-            live_limits = (limits, live_duration_step / 3)
-    step["limit_timeline"] = [[round(t, 2), n] for t, n, _, _ in step_run.timeline]
+            drain = 15.0 if args.quick else 25.0
+            scale = 0.5 if args.quick else 1.0  # of each live profile's seconds of arrivals
+            doc["profiles"] = sims + live(policy, sims, scale, drain, args.runs, Path(tmp))
+            if best is not None:
+                live_duration_step = 45.0 if args.quick else 90.0
+                doc["step_live"], limits = live_step(policy, best, live_duration_step, drain, Path(tmp))
+                doc["step_live"]["limit_timeline"] = [[round(t, 2), n] for t, n in limits]
+                live_limits = (limits, live_duration_step / 3)
+    if stepped is not None:
+        doc["step"]["limit_timeline"] = [[round(t, 2), n] for t, n, _, _ in stepped[1].timeline]
     doc["elapsed_s"] = round(time.perf_counter() - started, 1)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
-    plot(step_run, third, live_limits, out.with_suffix(".png"))
+    if stepped is not None:
+        plot(stepped[1], stepped[2], live_limits, out.with_suffix(".png"))
+    report(doc)
+    return 0
+
+
+def report(doc: dict[str, Any]) -> None:
     for p in doc["profiles"]:
+        refused = p["interactive_refused"]
         print(f"{p['mode']:4} {p['name']:32} best static {p['best_static']:4} "
-              f"goodput {p['best_static_goodput']:7.2f}  auto {p['auto_goodput']:7.2f}  ratio {p['ratio']}")
+              f"goodput {p['best_static_goodput']:7.2f}  auto {p['auto_goodput']:7.2f}  ratio {p['ratio']}"
+              + (f" {p['ratios']}" if "ratios" in p else "")
+              + f"  interactive refused: auto {refused['auto']} best static {refused['best_static']}")
         for load, who in p.get("cold_start", {}).items():
             print(f"     cold start {load:>3}x: " + "  ".join(
                 f"{name} refused {w['refused']:4} ttft p99 {w['ttft_p99_s']}" for name, w in who.items()))
-    print("step", json.dumps({k: v for k, v in doc["step"].items() if k != "limit_timeline"}))
-    if "step_live" in doc:
-        print("step_live", json.dumps({k: v for k, v in doc["step_live"].items() if k != "limit_timeline"}))
-    return 0
+    for key in ("step", "step_live"):
+        if key in doc:
+            print(key, json.dumps({k: v for k, v in doc[key].items() if k != "limit_timeline"}))
 
 
 if __name__ == "__main__":

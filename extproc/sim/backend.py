@@ -7,8 +7,10 @@ first-token and finished events resolve the waiting requests' futures. Handlers 
 sleep for a computed duration: a request is slow exactly when the engine says so. A
 stream sends its first chunk when the first token exists and its last when the request
 finishes; in between it sends the tokens made so far every ``stream_interval`` seconds
-(several tokens per chunk keep the CPU low with hundreds of concurrent streams). A
-client that goes away is cancelled in the engine, freeing its slot and KV cache.
+(several tokens per chunk keep the CPU low with hundreds of concurrent streams), or, for a
+profile that streams every K tokens (``Dynamics.stream_every_tokens``), one event per K
+tokens, looked for as often. A client that goes away is cancelled in the engine, freeing
+its slot and KV cache.
 
 ``/metrics`` carries vLLM's own metric names so dashboards, PromQL signals and
 extproc's scraper work the same against this server and a real vLLM. Inter-token latency
@@ -17,6 +19,9 @@ extproc's scraper work the same against this server and a real vLLM. Inter-token
 request's first, the time since its previous token as the engine makes them (chunks of a
 stream may bunch several): the engine reports a run of identical steps as one (interval,
 count) pair, so the histogram costs one bucket update per engine catch-up, not one per token.
+The buckets are the profile's (``Dynamics.histograms``: vLLM's, or coarser ones), and the
+running, waiting and KV gauges move at once or once per step as its dynamics say
+(:meth:`~extproc.sim.engine.Engine.gauges`).
 
 ``--capacity-schedule T:F,…`` runs the engine at fraction F of its profile from T seconds of
 wall-clock time after the server starts (see :mod:`extproc.sim.engine` for what a fraction
@@ -49,6 +54,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from extproc.settings import Address, positive_float
+from extproc.sim.dynamics import VLLM, Histograms
 from extproc.sim.engine import Engine, Event, Finished, FirstToken, RequestRejected, capacity_schedule_arg
 from extproc.sim.profiles import PROFILES, Profile, get_profile
 
@@ -63,13 +69,11 @@ OUTPUT_SIGMA = 0.8
 #: How often a waiting request checks whether its client is still there.
 DISCONNECT_POLL_S = 0.25
 
-# vLLM's own bucket boundaries, so histogram_quantile gives the same answers against both.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                   120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-               20.0, 40.0, 80.0)
+# vLLM's own bucket boundaries (the vLLM-like profiles'), so histogram_quantile gives the same
+# answers against both.
+TTFT_BUCKETS = VLLM.ttft
+LATENCY_BUCKETS = VLLM.request
+ITL_BUCKETS = VLLM.itl
 
 _WORDS = (" The", " quick", " brown", " fox", " jumps", " over", " the", " lazy", " dog", " again")
 
@@ -209,13 +213,14 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         labels = ["model_name"]
+        gauges = self._engine.gauges()  # as of the last step, for an engine that publishes per step
         families: list[tuple[GaugeMetricFamily | CounterMetricFamily, float]] = [
             (GaugeMetricFamily("vllm:num_requests_running", "Number of requests in model execution batches.",
-                               labels=labels), self._engine.running),
+                               labels=labels), gauges.running),
             (GaugeMetricFamily("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-                               labels=labels), self._engine.waiting),
+                               labels=labels), gauges.waiting),
             (GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                               labels=labels), self._engine.kv_usage),
+                               labels=labels), gauges.kv_usage),
             (CounterMetricFamily("vllm:num_preemptions", "Cumulative number of preemptions from the engine.",
                                  labels=labels), self._engine.preemptions),
             # Not a vLLM metric: what --capacity-schedule set (1 = the whole profile).
@@ -237,20 +242,21 @@ class _TokenIntervals(Collector):
         ("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds."),
     )
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, buckets: tuple[float, ...] = ITL_BUCKETS) -> None:
         self._model = model_name
-        self._counts = [0] * (len(ITL_BUCKETS) + 1)  # the last is +Inf
+        self._buckets = buckets
+        self._counts = [0] * (len(buckets) + 1)  # the last is +Inf
         self._sum = 0.0
 
     def observe(self, seconds: float, count: int = 1) -> None:
         # Scrapes run on the event loop, as the engine does: no lock needed.
-        self._counts[bisect.bisect_left(ITL_BUCKETS, seconds)] += count  # le: the bound is inclusive
+        self._counts[bisect.bisect_left(self._buckets, seconds)] += count  # le: the bound is inclusive
         self._sum += seconds * count
 
     def collect(self) -> Iterator[Metric]:
         cumulative = list(itertools.accumulate(self._counts))
         total = self._sum
-        bounds = [*map(floatToGoString, ITL_BUCKETS), "+Inf"]
+        bounds = [*map(floatToGoString, self._buckets), "+Inf"]
         for name, documentation in self.NAMES:
             family = HistogramMetricFamily(name, documentation, labels=["model_name"])
             family.add_metric([self._model], list(zip(bounds, cumulative, strict=True)), sum_value=total)
@@ -260,15 +266,16 @@ class _TokenIntervals(Collector):
 class BackendMetrics:
     def __init__(self, registry: CollectorRegistry, model_name: str, engine: Engine) -> None:
         labels = ["model_name"]
+        buckets: Histograms = engine.profile.dynamics.histograms
         self.ttft = Histogram("vllm:time_to_first_token_seconds",
                               "Histogram of time to first token in seconds.", labels,
-                              buckets=TTFT_BUCKETS, registry=registry).labels(model_name)
+                              buckets=buckets.ttft, registry=registry).labels(model_name)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds",
                              "Histogram of e2e request latency in seconds.", labels,
-                             buckets=LATENCY_BUCKETS, registry=registry).labels(model_name)
+                             buckets=buckets.request, registry=registry).labels(model_name)
         self.queue = Histogram("vllm:request_queue_time_seconds",
                                "Histogram of time spent in WAITING phase for request.",
-                               labels, buckets=LATENCY_BUCKETS, registry=registry).labels(model_name)
+                               labels, buckets=buckets.request, registry=registry).labels(model_name)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", labels,
                                      registry=registry).labels(model_name)
         self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.",
@@ -277,7 +284,7 @@ class BackendMetrics:
                                 ["model_name", "finished_reason"], registry=registry)
         self._model = model_name
         registry.register(_EngineCollector(engine, model_name))
-        self.intervals = _TokenIntervals(model_name)
+        self.intervals = _TokenIntervals(model_name, buckets.itl)
         registry.register(self.intervals)
         engine.on_interval = self.intervals.observe
 
@@ -518,14 +525,15 @@ async def _stream(request: web.Request, backend: Backend, reply: _Reply) -> web.
             return response
         handle.first_token.result()
         sent = 0
+        every = backend.profile.dynamics.stream_every_tokens
         while True:
             final = handle.finished.done()
             if final:
                 handle.finished.result()
             upto = handle.output_tokens if final else backend.live.progress(handle)
-            if upto > sent or final:
-                await response.write(reply.chunk(sent, upto, final))
-                sent = upto
+            for start, end, last in stream_pieces(sent, upto, final, every):
+                await response.write(reply.chunk(start, end, last))
+                sent = end
             if final:
                 break
             await asyncio.wait((handle.finished,), timeout=backend.stream_interval)
@@ -542,6 +550,30 @@ async def _stream(request: web.Request, backend: Backend, reply: _Reply) -> web.
             await response.write(_sse({"error": {"message": str(exc), "type": "internal_error", "param": None,
                                                  "code": None}}))
     return response
+
+
+def stream_pieces(sent: int, upto: int, final: bool, every: int | None) -> list[tuple[int, int, bool]]:
+    """The stream events (first token, past the last, is it the final one) for tokens ``sent`` to
+    ``upto``: one of everything new (and the final one even if nothing is new), or with ``every``,
+    the first token alone, then ``every`` tokens each, the final event carrying the rest; tokens
+    short of a whole ``every`` wait for more unless it is the end."""
+    if every is None:
+        return [(sent, upto, final)] if upto > sent or final else []
+    pieces = []
+    start = sent
+    while start < upto:
+        end = 1 if start == 0 else start + every
+        if end > upto and not final:
+            break
+        end = min(end, upto)
+        pieces.append((start, end, False))
+        start = end
+    if final:
+        if pieces and pieces[-1][1] == upto:
+            pieces[-1] = (pieces[-1][0], upto, True)
+        else:
+            pieces.append((start, upto, True))
+    return pieces
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

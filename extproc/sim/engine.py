@@ -32,10 +32,22 @@ the new caps, by the same recompute preemption as a KV overflow (back to the hea
 waiting queue, counted in ``preemptions``); nothing is lost or emitted twice. ``F = 1``
 restores the profile exactly. :func:`parse_capacity_schedule` reads ``T:F,…`` schedules.
 
+How the server behaves is its profile's :class:`~extproc.sim.dynamics.Dynamics` (vLLM's V1 engine,
+as above, unless it says otherwise). Without chunked prefill a step either prefills or decodes:
+waiting requests that fit are prefilled whole in a *prefill-only* step (every decoding sequence
+waits through it, makes no token and grows no KV), before any decode step; only a decode step
+preempts. The batch counts decode steps only, so a stall costs nothing per sequence; the first
+decode step after one records each sequence's inter-token latency from its own latest token (before
+the stall, or made in it), in O(running) once per stall. With ``admit_every_steps`` N > 1 a running
+batch takes waiting requests only once N − 1 decode steps have passed since it last did (or once
+``admit_waiting_ratio`` × running wait): a run of identical steps ends there, as at a finish. Gauges
+published per step are kept by :class:`~extproc.sim.gauges.StepGauges` (``gauges``).
+
 Recent latencies (``recent_ttft_p95``, ``recent_itl_p95``; kept only for an engine made with
 ``keep_latencies=True``, as the offline simulator does) are the p95 over a window of what the steps
 made, TTFT per request and inter-token latency per token, as vLLM's histograms would give them: the
-record and what counts as a sample are in :mod:`extproc.sim.latencies`.
+record and what counts as a sample are in :mod:`extproc.sim.latencies` (read through the engine's
+histogram buckets when its ``Dynamics.percentiles`` says so).
 """
 
 from __future__ import annotations
@@ -47,6 +59,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from extproc.sim.batch import Batch, Seq
+from extproc.sim.dynamics import Dynamics
+from extproc.sim.gauges import Gauges, StepGauges
 from extproc.sim.latencies import LATENCY_HISTORY_S, LatencyRecord
 from extproc.sim.profiles import Profile
 
@@ -147,6 +161,58 @@ class _Capacity:
         return cost
 
 
+def _check_lengths(profile: Profile, prompt_tokens: int, output_tokens: int) -> None:
+    """Raise :class:`RequestRejected` for a request the engine can never run."""
+    if prompt_tokens < 1 or output_tokens < 1:
+        raise RequestRejected("prompt and output must each be at least one token")
+    if prompt_tokens + output_tokens > profile.max_model_len:
+        raise RequestRejected(
+            f"This model's maximum context length is {profile.max_model_len} tokens. However, you "
+            f"requested {prompt_tokens + output_tokens} tokens ({prompt_tokens} in the messages, "
+            f"{output_tokens} in the completion). Please reduce the length of the messages or completion."
+        )
+
+
+class _Gate:
+    """When a running batch takes waiting requests: at every step (vLLM), or once N − 1 decode steps
+    passed since it last did unless enough wait (``Dynamics.admit_every_steps``, ``admit_waiting_ratio``)."""
+
+    __slots__ = ("_every", "_ratio", "admitted_at")
+
+    def __init__(self, dynamics: Dynamics) -> None:
+        self._every = dynamics.admit_every_steps
+        self._ratio = dynamics.admit_waiting_ratio
+        self.admitted_at = 0  # decode steps (``Batch.steps``) when the batch last took waiting requests
+
+    def ratio_met(self, running: int, waiting: int, slots: int) -> bool:
+        """Enough requests wait, with free slots for them, for the batch to take them at once."""
+        return self._ratio is not None and math.floor(running * self._ratio) <= min(waiting, slots - running)
+
+    def steps_left(self, steps: int, running: int, waiting: int, slots: int) -> int:
+        """Decode steps until the batch takes waiting requests (0: it takes them now)."""
+        if self._every == 1 or not running or self.ratio_met(running, waiting, slots):
+            return 0
+        return max(0, self.admitted_at + self._every - 1 - steps)
+
+
+def _latest_token(seq: Seq, decode_end: float) -> float:
+    """When decoding ``seq`` made its latest token, the last step that decoded having ended at
+    ``decode_end`` (its first token, or a recompute's, may have come in a prefill-only step since)."""
+    assert seq.last_token_at is not None
+    return max(seq.last_token_at, decode_end)
+
+
+def _intervals_after_stall(batch: Batch, decode_end: float, end: float) -> list[tuple[float, int]]:
+    """(interval, sequences) of the first decode step after prefill-only ones, ended at ``end``: each
+    sequence's runs from its own latest token."""
+    intervals: dict[float, int] = {}
+    for seq in batch.running.values():
+        if seq.decoding:
+            interval = end - _latest_token(seq, decode_end)
+            intervals[interval] = intervals.get(interval, 0) + 1
+    return sorted(intervals.items())
+
+
 class Engine:
     """One model server: ``add`` and ``cancel`` requests, ``advance`` the clock, read the events.
 
@@ -184,7 +250,14 @@ class Engine:
         self._chunks: list[tuple[Seq, int]] = []  # prefill work of the step in progress
         self._pending: list[Event] = []
         self.preemptions = 0
-        self._latencies = LatencyRecord() if keep_latencies else None
+        dynamics = profile.dynamics
+        buckets = dynamics.histograms if dynamics.percentiles == "histogram" else None
+        self._latencies = LatencyRecord(buckets) if keep_latencies else None
+        self._stall_step = False  # the step in progress prefills only: decoding sequences wait
+        self._stalled = False  # decoding sequences waited through a prefill-only step since the last decode
+        self._decode_end = float("-inf")  # end of the last step that decoded
+        self._gate = _Gate(dynamics)
+        self._published = StepGauges() if dynamics.gauges_at_steps else None
 
     # -- state for metrics -------------------------------------------------------------------------
 
@@ -208,6 +281,16 @@ class Engine:
         batch may hold more until the next step boundary preempts; that reads as 1 (full).
         """
         return min(1.0, self.kv_tokens / self._capacity.kv_tokens)
+
+    def gauges(self, now: float | None = None) -> Gauges:
+        """Running, waiting and KV usage as ``/metrics`` shows them: by default the properties, as of
+        the last call that took ``now``; published per step (``Dynamics.gauges_at_steps``), as the
+        latest step began, the engine brought up to ``now`` first if given (as ``add`` does)."""
+        if self._published is None:
+            return Gauges(self.running, self.waiting, self.kv_usage)
+        if now is not None:
+            self._catch_up(now, inclusive=False)
+        return self._published.read(self._capacity.kv_tokens)
 
     @property
     def capacity(self) -> float:
@@ -254,27 +337,23 @@ class Engine:
         """
         if req_id in self._by_id:
             raise ValueError(f"request {req_id!r} is already in the engine")
-        if prompt_tokens < 1 or output_tokens < 1:
-            raise RequestRejected("prompt and output must each be at least one token")
-        if prompt_tokens + output_tokens > self.profile.max_model_len:
-            raise RequestRejected(
-                f"This model's maximum context length is {self.profile.max_model_len} tokens. However, you "
-                f"requested {prompt_tokens + output_tokens} tokens ({prompt_tokens} in the messages, "
-                f"{output_tokens} in the completion). Please reduce the length of the messages or completion."
-            )
+        _check_lengths(self.profile, prompt_tokens, output_tokens)
         self._catch_up(now, inclusive=False)
         self._uids += 1
         seq = Seq(self._uids, req_id, prompt_tokens, output_tokens, now)
         self._by_id[req_id] = seq
         was_empty = not self._waiting
         self._waiting.append(seq)
+        if self._published is not None:
+            self._published.waiting_changed(now, 1)
         if not self._busy:
             if self._decide_at is None:
                 self._decide_at = now
-        elif was_empty and len(self._batch.running) < self._capacity.max_running:
-            # The batch may have room for it: stop the run after the step in progress. With a
-            # queue already waiting, the head is blocked and this request behind it can't go first.
-            self._run_left = 1
+        elif len(self._batch.running) < self._capacity.max_running and (was_empty or self._gate.ratio_met(
+                len(self._batch.running), len(self._waiting), self._capacity.max_running)):
+            # The batch may have room for it: stop the run after the step in progress (or where the batch
+            # next takes requests). With a queue already waiting, the head is blocked or the run ends there.
+            self._run_left = min(self._run_left, max(1, self._gate_steps()))
 
     def cancel(self, req_id: str, now: float) -> bool:
         """Abort a request (client gone); its slot and KV are free from the next step. False if unknown."""
@@ -288,6 +367,8 @@ class Engine:
                 self._run_left = 1
         else:
             self._waiting.remove(seq)
+            if self._published is not None:
+                self._published.waiting_changed(now, -1)
         return True
 
     def advance(self, now: float) -> list[Event]:
@@ -354,7 +435,6 @@ class Engine:
         if now < self._clock:
             raise ValueError(f"time went backwards: {now} < {self._clock}")
         self._clock = now
-        batch = self._batch
         while True:
             if self._decide_at is not None:
                 if now < self._decide_at or (now == self._decide_at and not inclusive):
@@ -366,8 +446,7 @@ class Engine:
             run_end = self._run_end()
             step_start = self._run_start + self._run_done * self._step_len
             if now >= run_end:
-                self._record_itl(step_start + self._step_len, self._step_len, self._run_left, batch.decoding)
-                batch.steps += self._run_left
+                self._steps_ended(step_start + self._step_len, self._run_left)
                 self._end_run(run_end)
                 self._busy = False
                 self._decide_at = run_end
@@ -375,11 +454,30 @@ class Engine:
             done = int((now - step_start) // self._step_len)
             if done > 0:  # identical decode steps inside the run: skip them all at once
                 done = min(done, self._run_left - 1)
-                self._record_itl(step_start + self._step_len, self._step_len, done, batch.decoding)
-                batch.steps += done
+                self._steps_ended(step_start + self._step_len, done)
                 self._run_done += done
                 self._run_left -= done
+                if self._published is not None:
+                    self._published.stepped(self._run_start + self._run_done * self._step_len, self._run_done)
             return
+
+    def _steps_ended(self, first_end: float, steps: int) -> None:
+        """``steps`` steps ended, the first at ``first_end``; decoding sequences made a token at each
+        unless the step prefilled only (they waited through it)."""
+        batch = self._batch
+        if steps <= 0:
+            return
+        if self._stall_step:
+            self._stalled = self._stalled or batch.decoding > 0
+            return
+        batch.steps += steps
+        if self._stalled:  # the first step's intervals run from each sequence's own latest token
+            self._stalled = False
+            for interval, count in _intervals_after_stall(batch, self._decode_end, first_end):
+                self._record_itl(first_end, interval, 1, count)
+            first_end, steps = first_end + self._step_len, steps - 1
+        self._record_itl(first_end, self._step_len, steps, batch.decoding)
+        self._decode_end = first_end + (steps - 1) * self._step_len
 
     def _run_end(self) -> float:
         return self._run_start + (self._run_done + self._run_left) * self._step_len
@@ -426,14 +524,20 @@ class Engine:
     def _schedule(self, now: float) -> None:
         """Plan the next step (or run of identical steps) starting at ``now``."""
         batch = self._batch
-        chunks, budget, growth = self._preempt_to_fit(now)
-        self._admit_waiting(now, chunks, budget, growth)
-        size = batch.decoding + len(chunks)
-        if size == 0:
-            self._busy = False
-            return
+        chunks = self._plan_prefill(now)
+        self._stall_step = bool(chunks) and not self.profile.dynamics.chunked_prefill
+        size = len(chunks) if self._stall_step else batch.decoding + len(chunks)
+        self._busy = size > 0
+        if self._busy:
+            self._plan_run(now, chunks, size)
+        if self._published is not None:
+            self._published.decided(len(batch.running), len(self._waiting), batch.kv_tokens,
+                                    0 if self._stall_step else batch.decoding)
+
+    def _plan_run(self, now: float, chunks: list[tuple[Seq, int]], size: int) -> None:
+        """A step of ``size`` sequences (and these prefill ``chunks``), or a run of identical ones."""
+        batch = self._batch
         prefilled = sum(n for _, n in chunks)
-        self._busy = True
         self._chunks = chunks
         self._run_start = now
         self._run_done = 0
@@ -443,7 +547,26 @@ class Engine:
             return
         to_finish = batch.steps_to_next_finish()
         room = (self._capacity.kv_tokens - batch.kv_tokens) // batch.decoding
-        self._run_left = max(1, min(to_finish, room))
+        gate = (self._gate_steps() if self._waiting else 0) or to_finish  # the batch takes requests then
+        self._run_left = max(1, min(to_finish, room, gate))
+
+    def _plan_prefill(self, now: float) -> list[tuple[Seq, int]]:
+        """The step's prefill work: beside the decode (chunked), or alone if a waiting request fits."""
+        if self.profile.dynamics.chunked_prefill:
+            chunks, budget, growth = self._preempt_to_fit(now)
+            if not self._gate_steps():
+                self._admit_waiting(now, chunks, budget, growth)
+            return chunks
+        chunks = []
+        if self._waiting and not self._gate_steps():
+            self._admit_waiting(now, chunks, self.profile.max_batched_tokens, 0)
+        if not chunks:
+            self._preempt_to_fit(now)
+        return chunks
+
+    def _gate_steps(self) -> int:  # decode steps until a running batch takes waiting requests (0: now)
+        return self._gate.steps_left(self._batch.steps, len(self._batch.running), len(self._waiting),
+                                     self._capacity.max_running)
 
     def _preempt_to_fit(self, now: float) -> tuple[list[tuple[Seq, int]], int, int]:
         """Preempt the newest sequences until the step's growth fits the KV cache and the slot cap.
@@ -460,7 +583,7 @@ class Engine:
                 return chunks, budget, growth
             victim = batch.newest()
             if victim.decoding:  # its latest token was made at the end of the step that just ended
-                victim.last_token_at = now
+                victim.last_token_at = _latest_token(victim, self._decode_end) if self._stalled else now
             batch.release(victim)
             victim.preemptions += 1
             self.preemptions += 1
@@ -469,12 +592,16 @@ class Engine:
     def _admit_waiting(self, now: float, chunks: list[tuple[Seq, int]], budget: int, growth: int) -> None:
         """Admit waiting requests in FIFO order while a slot, budget and KV room last (onto ``chunks``)."""
         batch, capacity = self._batch, self._capacity
+        whole = not self.profile.dynamics.chunked_prefill  # a context is prefilled whole, in one step
         while self._waiting and budget > 0 and len(batch.running) < capacity.max_running:
             seq = self._waiting[0]
             context = seq.prompt + seq.generated
             if batch.kv_tokens + growth + context + self.profile.block_size > capacity.kv_tokens:
                 break  # FIFO: the head waits for room, and everyone behind it waits too
+            if whole and context > budget:
+                break
             self._waiting.popleft()
+            self._gate.admitted_at = batch.steps
             batch.admit(seq, context)
             if seq.scheduled_at is None:
                 seq.scheduled_at = now

@@ -10,13 +10,20 @@ the step's length per step, so a prefill chunk sharing the step stretches its IT
 preempted and recomputed sees one long ITL, from its last token before the preemption to the first
 after its prefill is redone. A run of identical steps is one record (length, steps, sequences), so
 the cost stays per event, not per token. Percentiles are nearest-rank (the smallest sample with at
-least 95 % of the samples at or below it).
+least 95 % of the samples at or below it), or, for an engine whose simulated signals are read as its
+``/metrics`` would be (``Dynamics.percentiles == "histogram"``), Prometheus' ``histogram_quantile``
+over the samples counted into that engine's buckets: linear interpolation inside the bucket the rank
+falls in, the highest finite bound for a rank in +Inf (the arithmetic of
+:func:`extproc.signals.scrape.histogram_quantile`, which reads the live histograms).
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
+
+from extproc.sim.dynamics import Histograms
 
 #: How far back the latency record reaches (engine seconds).
 LATENCY_HISTORY_S = 600.0
@@ -25,11 +32,15 @@ _EPS = 1e-9
 
 
 class LatencyRecord:
-    """TTFTs and inter-token latencies of the last ``LATENCY_HISTORY_S`` seconds, added in time order."""
+    """TTFTs and inter-token latencies of the last ``LATENCY_HISTORY_S`` seconds, added in time order.
 
-    __slots__ = ("_itls", "_ttfts")
+    With ``histograms``, percentiles are read through those buckets (see the module doc).
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("_histograms", "_itls", "_ttfts")
+
+    def __init__(self, histograms: Histograms | None = None) -> None:
+        self._histograms = histograms
         self._ttfts: deque[tuple[float, float]] = deque()  # (time, ttft)
         #: (first step end, last step end, interval, steps, sequences): ``sequences`` intervals of
         #: ``interval`` seconds ended at each of ``steps`` evenly spaced step ends.
@@ -59,6 +70,8 @@ class LatencyRecord:
             if at <= lo:
                 break
             samples.append((ttft, 1))
+        if self._histograms is not None:
+            return bucket_quantile(samples, 0.95, self._histograms.ttft)
         return _nearest_rank(samples, 0.95)
 
     def itl_p95(self, lo: float) -> float | None:
@@ -78,6 +91,8 @@ class LatencyRecord:
                 n = min(max(n, 0), steps)
             if n:
                 samples.append((interval, n * sequences))
+        if self._histograms is not None:
+            return bucket_quantile(samples, 0.95, self._histograms.itl)
         return _nearest_rank(samples, 0.95)
 
 
@@ -93,3 +108,26 @@ def _nearest_rank(samples: list[tuple[float, int]], q: float) -> float | None:
         if seen >= rank:
             return value
     return samples[-1][0]  # pragma: no cover - unreachable: the weights add up to total
+
+
+def bucket_quantile(samples: list[tuple[float, int]], q: float, bounds: tuple[float, ...]) -> float | None:
+    """The ``q``-quantile of the (value, weight) samples as a histogram with these upper ``bounds``
+    (+Inf implied, a value on a bound counted in it) gives it to Prometheus' ``histogram_quantile``."""
+    counts = [0] * (len(bounds) + 1)
+    for value, weight in samples:
+        counts[bisect.bisect_left(bounds, value)] += weight
+    total = sum(counts)
+    if total == 0:
+        return None
+    cumulative = []
+    seen = 0
+    for count in counts:
+        seen += count
+        cumulative.append(seen)
+    rank = q * total
+    b = bisect.bisect_left(cumulative, rank)
+    if b >= len(bounds):  # in +Inf: the highest finite bound
+        return bounds[-1]
+    start, below = (bounds[b - 1], cumulative[b - 1]) if b > 0 else (0.0, 0)
+    # Prometheus' order of operations, so that both answer the very same float.
+    return start + (bounds[b] - start) * ((rank - below) / (cumulative[b] - below))

@@ -28,6 +28,8 @@ policy itself.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import heapq
 import json
 import math
@@ -48,6 +50,7 @@ from extproc.core.usage import FILTER_HEADER, USAGE, admission_metadata, charged
 from extproc.policy.schema import Policy
 from extproc.sim import traces
 from extproc.sim.driver import Driver, Offer
+from extproc.sim.dynamics import VLLM_V1
 from extproc.sim.engine import Engine, Finished, FirstToken, RequestRejected, capacity_schedule_arg
 from extproc.sim.profiles import Profile, get_profile
 from extproc.sim.report import Result, Slo, Summary, grouped, side_by_side, summarise
@@ -108,15 +111,59 @@ def capacity_rps(profile: Profile, time_scale: float, spec: WorkloadSpec, batch:
                       200.0, seed=12345)
     mean_out = sum(r.output_tokens for r in sample) / len(sample)
     mean_prompt = sum(r.prompt_tokens for r in sample) / len(sample)
-    return capacity_for_mix(profile, time_scale, mean_prompt, mean_out, batch)
+    lengths = tuple((r.prompt_tokens, r.output_tokens) for r in sample)
+    return capacity_for_mix(profile, time_scale, mean_prompt, mean_out, batch, lengths=lengths)
 
 
 def capacity_for_mix(profile: Profile, time_scale: float, mean_prompt: float, mean_output: float,
-                     batch: int | None = None) -> float:
-    """Requests per second the engine completes with a full batch of requests this long on average."""
-    b = batch or profile.max_running
-    per_request = mean_output * profile.step_seconds(b) + mean_prompt * profile.prefill_s_per_token
-    return b / (per_request * time_scale)
+                     batch: int | None = None, *, lengths: Sequence[tuple[int, int]] = ()) -> float:
+    """Requests per second the engine completes with a full batch of requests this long on average.
+
+    For vLLM's dynamics (the default), the full batch is ``max_running`` (or ``batch``) and each
+    request costs its output in steps of that batch plus its prompt's prefill: the estimate every
+    recorded run of those profiles was loaded by. An engine of other dynamics (prefill stalls, a
+    batch that takes requests every N steps, a cache that bounds the batch and preempts) is measured
+    instead: the engine model itself, saturated with ``lengths`` (prompt, output) — or, without them,
+    prompts of the mean and outputs spread as an exponential of the mean (long answers fill a cache)
+    — as :func:`saturated_rate` finds it.
+    """
+    if profile.dynamics == VLLM_V1:
+        b = batch or profile.max_running
+        per_request = mean_output * profile.step_seconds(b) + mean_prompt * profile.prefill_s_per_token
+        return b / (per_request * time_scale)
+    if batch is not None:
+        raise ValueError(f"profile {profile.name!r}: a batch size applies to vLLM-like dynamics only")
+    if not lengths:
+        n = _SATURATED_REQUESTS
+        lengths = [(max(1, round(mean_prompt)), max(1, round(-mean_output * math.log(1 - (i + 0.5) / n))))
+                   for i in range(n)]
+    return saturated_rate(profile, tuple(lengths)) / time_scale
+
+
+#: Requests of the mix spread from means alone (spread evenly: no sampling noise to average out).
+_SATURATED_REQUESTS = 3000
+
+
+@functools.lru_cache(maxsize=32)
+def saturated_rate(profile: Profile, lengths: tuple[tuple[int, int], ...]) -> float:
+    """Requests per second (at time scale 1) the engine completes when it never runs out of work.
+
+    Every request (prompt, output) waits at time 0, in this order; the rate is that of the middle
+    half of the completions, after the batch filled and before it drains. Requests the engine can
+    never run (too long) are left out. With answers of very different lengths it takes thousands of
+    requests for the rate to settle (``capacity_rps`` runs its whole sample, about a second).
+    """
+    engine = Engine(profile)
+    for i, (prompt, output) in enumerate(lengths):
+        with contextlib.suppress(RequestRejected):
+            engine.add(str(i), prompt, output, 0.0)
+    done: list[float] = []
+    while (at := engine.next_event_time()) is not None:
+        done += (event.time for event in engine.advance(at) if isinstance(event, Finished))
+    if len(done) < 8:
+        raise ValueError(f"profile {profile.name!r}: too few requests of this mix run to measure a rate")
+    first, last = len(done) // 4, 3 * len(done) // 4
+    return (last - first) / (done[last] - done[first])
 
 
 def fifo_policy(policy: Policy, max_queued: int | None = None) -> Policy:
@@ -380,8 +427,9 @@ class _Run:
     def read_signals(self, now: float) -> None:
         driver, engine = self.driver, self.engine
         assert driver is not None
-        values: dict[str, float | None] = {"kv": engine.kv_usage, "waiting": float(engine.waiting),
-                                           "running": float(engine.running)}
+        gauges = engine.gauges(now)  # as the engine's /metrics would show them
+        values: dict[str, float | None] = {"kv": gauges.kv_usage, "waiting": float(gauges.waiting),
+                                           "running": float(gauges.running)}
         readings = {}
         for name, quantity in self.signals.items():
             value = values.get(quantity)
