@@ -85,13 +85,16 @@ class App:
                                       on_result=self._reloaded)
         metrics.policy_loaded.set(self.policy_file.loaded_at)
         edge_metrics = RateLimitMetrics(registry, metrics.saturation_rejections)
+        policy_hash = self._policy_hash
         self.ratelimit = RateLimitService(controller.machine, edge_metrics,
                                           lambda: controller.policy.ratelimit, log_key=settings.log_key,
                                           store=budgets,
-                                          store_timeout=settings.store_budget_timeout_s)
+                                          store_timeout=settings.store_budget_timeout_s,
+                                          refused=controller.refused, policy_hash=policy_hash)
         # A proxy that leaves the edge to ext_proc (x-extproc-edge) gets the same answers, in process.
         self.processor = ExternalProcessor(controller, log_key=settings.log_key,
-                                           overload_after=settings.overload_after_s, edge=self.ratelimit)
+                                           overload_after=settings.overload_after_s, edge=self.ratelimit,
+                                           policy_hash=policy_hash)
         controller.on_reconfigure.append(lambda _: self.processor.reconfigure())
         controller.on_reconfigure.append(lambda new: self.hub.reconfigure(new.signals))
         self.health = health.aio.HealthServicer()
@@ -108,6 +111,10 @@ class App:
         self.admin_server = (admin_grpc.build_server(admin, settings.admin_token)
                              if settings.admin_grpc is not None else None)
         self.watcher: asyncio.Task[None] | None = None
+
+    def _policy_hash(self) -> str:
+        """The sha256 of the policy file in force (swapped with the policy, on the one event loop)."""
+        return self.policy_file.sha256
 
     def _reloaded(self, result: ReloadResult) -> None:
         metrics = self.metrics

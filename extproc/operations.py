@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 
 from extproc.api.admin.v1 import admin_pb2 as pb
 from extproc.controller import Controller
+from extproc.core.decision import ANY_LANE
 from extproc.core.machine import LaneView
 from extproc.core.saturation import RuleState
 from extproc.policy.watcher import PolicyFile, ReloadResult
@@ -109,6 +110,8 @@ class Operations:
             signals=self._signals(now),
             saturation=[self._rule(rule, now, wall) for rule in controller.machine.saturation.rules(now)],
             tenants=self._tenants(views),
+            any_lane_rejections={reason: _count(n) for reason, n in counts.get(ANY_LANE, {}).items()},
+            any_lane_reject_per_s=round(recent[ANY_LANE].reject_per_s, 3) if ANY_LANE in recent else 0.0,
         )
 
     def _auto(self, now: float, wall: float) -> pb.AutoCapacity | None:
