@@ -104,7 +104,7 @@ class App:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.runner = web.AppRunner(http.build_app(registry, self.ready, token=settings.metrics_token,
                                                    hosts=allowed_hosts(settings.http)), access_log=None)
-        admin = Operations(controller, self.policy_file, signals=self.hub)
+        self.operations = admin = Operations(controller, self.policy_file, signals=self.hub)
         self.admin_runner = None if settings.admin is None else web.AppRunner(
             admin_http.build_app(admin, settings.admin_token,
                                  allowed_hosts(settings.admin, settings.admin_hosts)), access_log=None)
@@ -117,6 +117,7 @@ class App:
         return self.policy_file.sha256
 
     def _reloaded(self, result: ReloadResult) -> None:
+        self.operations.reloaded(result)
         metrics = self.metrics
         metrics.policy_reload_failing.set(0 if result.ok else 1)
         metrics.policy_stale_since.set(self.policy_file.stale_since or 0)
@@ -198,7 +199,7 @@ class App:
         log.info("draining", inflight=controller.machine.total_inflight,
                  queued=controller.machine.total_queued, grace_s=grace_s)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        controller.drain()
+        self.operations.drain("shutdown")
         finished = await controller.wait_idle(grace_s)
         if not finished:
             log.warning("grace period over", inflight=controller.machine.total_inflight)
