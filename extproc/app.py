@@ -85,13 +85,16 @@ class App:
                                       on_result=self._reloaded)
         metrics.policy_loaded.set(self.policy_file.loaded_at)
         edge_metrics = RateLimitMetrics(registry, metrics.saturation_rejections)
+        policy_hash = self._policy_hash
         self.ratelimit = RateLimitService(controller.machine, edge_metrics,
                                           lambda: controller.policy.ratelimit, log_key=settings.log_key,
                                           store=budgets,
-                                          store_timeout=settings.store_budget_timeout_s)
+                                          store_timeout=settings.store_budget_timeout_s,
+                                          refused=controller.refused, policy_hash=policy_hash)
         # A proxy that leaves the edge to ext_proc (x-extproc-edge) gets the same answers, in process.
         self.processor = ExternalProcessor(controller, log_key=settings.log_key,
-                                           overload_after=settings.overload_after_s, edge=self.ratelimit)
+                                           overload_after=settings.overload_after_s, edge=self.ratelimit,
+                                           policy_hash=policy_hash)
         controller.on_reconfigure.append(lambda _: self.processor.reconfigure())
         controller.on_reconfigure.append(lambda new: self.hub.reconfigure(new.signals))
         self.health = health.aio.HealthServicer()
@@ -101,7 +104,7 @@ class App:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.runner = web.AppRunner(http.build_app(registry, self.ready, token=settings.metrics_token,
                                                    hosts=allowed_hosts(settings.http)), access_log=None)
-        admin = Operations(controller, self.policy_file, signals=self.hub)
+        self.operations = admin = Operations(controller, self.policy_file, signals=self.hub)
         self.admin_runner = None if settings.admin is None else web.AppRunner(
             admin_http.build_app(admin, settings.admin_token,
                                  allowed_hosts(settings.admin, settings.admin_hosts)), access_log=None)
@@ -109,7 +112,12 @@ class App:
                              if settings.admin_grpc is not None else None)
         self.watcher: asyncio.Task[None] | None = None
 
+    def _policy_hash(self) -> str:
+        """The sha256 of the policy file in force (swapped with the policy, on the one event loop)."""
+        return self.policy_file.sha256
+
     def _reloaded(self, result: ReloadResult) -> None:
+        self.operations.reloaded(result)
         metrics = self.metrics
         metrics.policy_reload_failing.set(0 if result.ok else 1)
         metrics.policy_stale_since.set(self.policy_file.stale_since or 0)
@@ -191,7 +199,7 @@ class App:
         log.info("draining", inflight=controller.machine.total_inflight,
                  queued=controller.machine.total_queued, grace_s=grace_s)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        controller.drain()
+        self.operations.drain("shutdown")
         finished = await controller.wait_idle(grace_s)
         if not finished:
             log.warning("grace period over", inflight=controller.machine.total_inflight)

@@ -55,6 +55,10 @@ ARRIVAL_DESCRIPTOR: dict[str, Any] = {"actions": [
     # A retry (retry_budget.header) may hold a booked return: the edge lets it through.
     {"request_headers": {"header_name": "x-stainless-retry-count",
                          "descriptor_key": "x-stainless-retry-count", "skip_if_absent": True}},
+    # The request id Envoy logs (set by the connection manager before any filter): a shed's record
+    # carries it, so a 429 in the access log is found in extproc's log. Never classified.
+    {"request_headers": {"header_name": "x-request-id", "descriptor_key": "request_id",
+                         "skip_if_absent": True}},
 ]}
 
 

@@ -62,6 +62,7 @@ class Controller:
                            record=self._record_now, changed=self._capacity_changed, rng=rng) \
             if ledger is not None or budgets is not None else None
         self._capacity_mode: set[str] = set()
+        metrics.named_tenants = named_tenants(policy)
         metrics.watch(self.lanes, lambda: self.machine.draining, lambda: self.view,
                       lambda: self.machine.drain_rates(self.now()), lambda: self.machine.bookings(self.now()))
         self._capacity_changed()
@@ -192,6 +193,7 @@ class Controller:
 
     def reconfigure(self, policy: Policy) -> None:
         """Swap in a new policy at once; queued work it lets start is admitted."""
+        self.metrics.named_tenants = named_tenants(policy)
         self._settle(self.machine.reconfigure(policy, self.now()))
         self._limits_changed()
         self._capacity_changed()
@@ -217,6 +219,8 @@ class Controller:
     def submit(self, lane: str, tenant: str, job: Job, *, retry: bool = False) -> Decision:
         """Decide a new request; ``retry``: its client says it is a retry (it spends retry budget)."""
         submitted = self.machine.submit(lane, tenant, job, self.now(), retry=retry)
+        metrics = self.metrics
+        metrics.tenant_requests_of(metrics.tenant(tenant)).inc()
         if submitted.budget_shadow:
             self.metrics.shadow_of(lane, Outcome.REJECTED.value, Reason.RETRY_BUDGET.value).inc()
         decision = submitted.decision
@@ -226,6 +230,15 @@ class Controller:
             self._wake.set()
         self._settle(submitted.evicted)  # (and the idle state: something is queued or running now)
         return decision
+
+    def refused(self, lane: str, reason: Reason, tenant: str | None) -> None:
+        """A request refused before the scheduler saw it (by the edge, or at intake: a repeated header,
+        a late body, extproc overloaded), counted as every refusal is (``Metrics.refused``); ``lane``:
+        ``core.decision.ANY_LANE`` when no single lane owns it, ``tenant`` None when not known."""
+        metrics = self.metrics
+        metrics.tenant_requests_of(metrics.tenant(tenant)).inc()
+        metrics.refused(lane, reason.value, tenant)
+        self.recent.add(lane, REJECT, self.now())
 
     def permit_retry(self) -> bool:
         """A rejection may tell its client to retry: reserve that retry in the budget, if there is room."""
@@ -287,7 +300,10 @@ class Controller:
         ticket = decision.ticket
         lane = ticket.lane
         metrics = self.metrics
-        metrics.decisions_of(lane, decision.outcome.value).inc()
+        if decision.outcome is Outcome.REJECTED and decision.reason is not None:
+            metrics.refused(lane, decision.reason.value, ticket.tenant)
+        else:
+            metrics.decisions_of(lane, decision.outcome.value).inc()
         if decision.outcome is Outcome.ADMITTED:
             self.machine.admitted(decision)
             wait = ticket.queue_wait
@@ -298,8 +314,6 @@ class Controller:
             self.recent.add(lane, SHADOW if shadow is Outcome.REJECTED else ADMIT, ticket.admitted_at or 0.0,
                             wait)
         elif decision.outcome is Outcome.REJECTED:
-            if decision.reason is not None:
-                metrics.rejections_of(lane, decision.reason.value).inc()
             effect = decision.saturation
             if effect is not None:
                 metrics.saturation_rejections.labels(lane, effect.shed_by or "", effect.signal or "").inc()
@@ -335,3 +349,12 @@ class Controller:
             self._settle(machine.expire(self.now()))
             if machine.reclaimed > before:
                 self.metrics.slots_reclaimed.inc(machine.reclaimed - before)
+
+
+def named_tenants(policy: Policy) -> frozenset[str]:
+    """The tenants a policy names (its weights, its default, its budgets, its rules' matches): counted
+    by name in ``extproc_tenant_*``; the policy file names them already, so a label shows no secret."""
+    names = {policy.tenants.default, *policy.tenants.weights, *policy.ratelimit.budgets.tenants}
+    for rule in policy.classification.rules:
+        names.update(rule.match.tenants)
+    return frozenset(names)

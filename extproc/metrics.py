@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from extproc.core.decision import Outcome
 from extproc.core.machine import LaneView
 from extproc.core.saturation import Saturation
 from extproc.state import GlobalView
@@ -32,6 +33,7 @@ SERVICE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 
 
 
 _M = TypeVar("_M", Counter, Histogram)
+_REJECTED = Outcome.REJECTED.value
 
 
 class Children(Generic[_M]):
@@ -87,13 +89,18 @@ class _StateCollector(Collector):
             "inference_borrowed_slots", "In-flight requests above the lane's own limit, on idle slots "
             "of other lanes.", labels=["lane"],
         )
+        paused = GaugeMetricFamily(
+            "extproc_lane_paused", "1 while an operator has paused the lane on this replica: its new "
+            "requests queue and none is admitted until it is resumed.", labels=["lane"],
+        )
         for name, view in self._lanes().items():
             pending.add_metric([name], view.queued)
             inflight.add_metric([name], view.inflight)
             limit.add_metric([name], view.limit)
             effective.add_metric([name], view.effective_limit)
             borrowed.add_metric([name], view.borrowed)
-        yield from (pending, inflight, limit, effective, borrowed)
+            paused.add_metric([name], 1.0 if view.paused else 0.0)
+        yield from (pending, inflight, limit, effective, borrowed, paused)
         if self._drain is not None:
             rate = GaugeMetricFamily(
                 "extproc_lane_drain_rate", "Requests completed per second in the lane (exponentially "
@@ -138,12 +145,25 @@ class _StateCollector(Collector):
             )
 
 
+#: The tenant label of every tenant the policy does not name (``extproc_tenant_*``): a label per
+#: client-chosen value would let clients grow the series without bound.
+OTHER_TENANT = "(other)"
+
+
 class Metrics:
-    """Admission's metrics, declared by subject; the public handles are the attributes."""
+    """Admission's metrics, declared by subject; the public handles are the attributes.
+
+    Every refusal, whoever made it (the scheduler, the edge, the intake), is counted the same way:
+    once in ``inference_admission_decisions_total{outcome="rejected"}`` and once in
+    ``inference_admission_rejections_total`` by reason, both by lane (``*``, ``core.decision.ANY_LANE``,
+    when no single lane owns it), so that the share of rejections in decisions never exceeds 1; and
+    once by tenant.
+    """
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
         self._declare_decisions(registry)
+        self._declare_tenants(registry)
         self._declare_store(registry)
         self._declare_streams(registry)
         self._declare_policy(registry)
@@ -155,6 +175,8 @@ class Metrics:
         self.decisions_of = Children(self.decisions)
         self.rejections_of = Children(self.rejections)
         self.shadow_of = Children(self.shadow)
+        self.tenant_requests_of = Children(self.tenant_requests)
+        self.tenant_rejections_of = Children(self.tenant_rejections)
 
     def _declare_decisions(self, registry: CollectorRegistry) -> None:
         """What admission decided, by lane: outcomes, rejections and their reasons, shadow verdicts,
@@ -184,6 +206,32 @@ class Metrics:
             "queued or rejected, by lane, outcome and reason.", ["lane", "outcome", "reason"],
             registry=registry,
         )
+
+    def _declare_tenants(self, registry: CollectorRegistry) -> None:
+        """Requests and refusals by tenant: the tenants the policy names, by name; the rest together."""
+        self.tenant_requests = Counter(
+            "extproc_tenant_requests", "Requests decided, by tenant: every arrival ext_proc submitted, and "
+            f"every one the edge or the intake refused first. Tenants the policy names by name, the rest as "
+            f"{OTHER_TENANT}.", ["tenant"], registry=registry,
+        )
+        self.tenant_rejections = Counter(
+            "extproc_tenant_rejections", "Requests refused (everything inference_admission_rejections_total "
+            "counts), by tenant (as in extproc_tenant_requests_total) and reason.", ["tenant", "reason"],
+            registry=registry,
+        )
+        #: The tenants counted by name: those the policy in force names (the controller sets it).
+        self.named_tenants: frozenset[str] = frozenset()
+
+    def tenant(self, name: str | None) -> str:
+        """The tenant label of ``name`` (None: not known, refused before its tenant was read)."""
+        return name if name is not None and name in self.named_tenants else OTHER_TENANT
+
+    def refused(self, lane: str, reason: str, tenant: str | None) -> None:
+        """One refusal, counted as every refusal is (see the class docstring); its arrival is counted
+        by whoever saw it arrive."""
+        self.decisions_of(lane, _REJECTED).inc()
+        self.rejections_of(lane, reason).inc()
+        self.tenant_rejections_of(self.tenant(tenant), reason).inc()
 
     def _declare_store(self, registry: CollectorRegistry) -> None:
         """The shared store: its failing scripts and the admissions it refused."""
@@ -274,7 +322,8 @@ class Metrics:
         )
 
     def rejection_counts(self) -> dict[str, dict[str, int]]:
-        """Rejections since start, by lane and reason (for the admin state document)."""
+        """Rejections since start, by lane and reason (for the admin state document; ``ANY_LANE``:
+        those no single lane owns)."""
         out: dict[str, dict[str, int]] = {}
         for family in self.rejections.collect():
             for sample in family.samples:

@@ -4,6 +4,13 @@ The snapshot is the admin API's ``State`` message (``protos/extproc/api/admin/v1
 The adapters only map requests onto these methods: the HTTP admin port (servers/admin.py)
 serves it as the JSON document ``/admin/state``, the gRPC admin port (servers/admin_grpc.py)
 as itself; ``extproc top`` and dashboards read it. Add fields, never rename them.
+
+Every action that changes what is decided is written to the decision log as an ``operator``
+record beside the requests' records: ``drain``, ``undrain``, ``pause``, ``resume`` (with its
+``lane``), and ``reload`` (a changed policy in force, whatever asked for it: with ``previous``),
+each with ``at`` (epoch seconds, as a request's ``arrival``), ``policy`` (the sha256 of the policy
+file in force after it) and ``trigger`` (``admin``, ``shutdown``, ``watch``, ``sighup``). A replay
+(``simulate --verify``) applies them where they happened.
 """
 
 from __future__ import annotations
@@ -11,13 +18,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 
+import structlog
+
 from extproc.api.admin.v1 import admin_pb2 as pb
 from extproc.controller import Controller
+from extproc.core.decision import ANY_LANE
 from extproc.core.machine import LaneView
 from extproc.core.saturation import RuleState
 from extproc.policy.watcher import PolicyFile, ReloadResult
 from extproc.signals.hub import SignalHub
 
+#: The decision log's logger: operator records go where the requests' records go.
+log = structlog.get_logger("extproc.decision")
 #: The version of the state snapshot's meaning (``State.version``).
 STATE_VERSION = 1
 _UINT32_MAX = 2**32 - 1
@@ -40,19 +52,34 @@ class Operations:
     # -- operations ------------------------------------------------------------------
 
     async def reload(self) -> ReloadResult:
+        # (Its record is written by ``reloaded``, as every reload's is.)
         return await self.policy_file.reload("admin")
 
-    def drain(self) -> None:
+    def drain(self, trigger: str = "admin") -> None:
         self.controller.drain()
+        self.record("drain", trigger)
 
-    def undrain(self) -> None:
+    def undrain(self, trigger: str = "admin") -> None:
         self.controller.undrain()
+        self.record("undrain", trigger)
 
-    def pause(self, lane: str) -> None:
+    def pause(self, lane: str, trigger: str = "admin") -> None:
         self.controller.pause(lane)
+        self.record("pause", trigger, lane=lane)
 
-    def resume(self, lane: str) -> None:
+    def resume(self, lane: str, trigger: str = "admin") -> None:
         self.controller.resume(lane)
+        self.record("resume", trigger, lane=lane)
+
+    def reloaded(self, result: ReloadResult) -> None:
+        """A reload's result, whatever asked for it: a changed policy in force is recorded."""
+        if result.ok and result.changed:
+            self.record("reload", result.trigger or "admin", previous=result.previous)
+
+    def record(self, action: str, trigger: str, **fields: str) -> None:
+        """Write one operator record (see the module docstring)."""
+        log.info("operator", action=action, at=round(self._clock(), 3), policy=self.policy_file.sha256,
+                 trigger=trigger, **fields)
 
     def lanes(self) -> list[str]:
         """The lanes an operator may name (for the error that answers an unknown one)."""
@@ -109,6 +136,8 @@ class Operations:
             signals=self._signals(now),
             saturation=[self._rule(rule, now, wall) for rule in controller.machine.saturation.rules(now)],
             tenants=self._tenants(views),
+            any_lane_rejections={reason: _count(n) for reason, n in counts.get(ANY_LANE, {}).items()},
+            any_lane_reject_per_s=round(recent[ANY_LANE].reject_per_s, 3) if ANY_LANE in recent else 0.0,
         )
 
     def _auto(self, now: float, wall: float) -> pb.AutoCapacity | None:

@@ -17,6 +17,12 @@ from extproc.core.estimate import Job
 from extproc.core.queue import Entry
 from extproc.core.saturation import Effect
 
+#: The lane label of a refusal no single lane owns: an edge shed of a request that could land in several
+#: lanes (its model decides, and the edge sees no body), or a request refused before it was classified
+#: (overloaded, a repeated header, a body that never came when its lane depends on it). A lane name
+#: can never be it (the policy's lane names are words).
+ANY_LANE = "*"
+
 
 class Outcome(StrEnum):
     ADMITTED = "admitted"

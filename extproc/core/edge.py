@@ -27,7 +27,7 @@ from typing import Protocol
 
 from extproc.core.admission import Scheduler
 from extproc.core.budget import BucketVerdict, Budget, Refill
-from extproc.core.decision import Reason, Rejection, reject
+from extproc.core.decision import ANY_LANE, Reason, Rejection, reject
 from extproc.core.drain import Told
 from extproc.core.intake import Intake
 from extproc.core.retry import retry_after
@@ -35,10 +35,11 @@ from extproc.core.retry_budget import is_retry
 from extproc.policy.ratelimit import RateLimit, TenantLimit
 from extproc.policy.schema import Lane, Policy
 
-#: Lane label of a decision whose lane depends on the model (not known at the edge).
-ANY_LANE = "*"
+#: The descriptor entry carrying Envoy's request id (x-request-id): logged with a shed, so it joins the
+#: proxy's access log; never classified, never part of what the edge remembers of an arrival.
+REQUEST_ID = "request_id"
 #: Descriptor entries that are not request headers.
-NOT_HEADERS = frozenset({"generic_key", "method", "path"})
+NOT_HEADERS = frozenset({"generic_key", "method", "path", REQUEST_ID})
 #: Distinct arrival descriptors whose classification the edge keeps (all forgotten once full).
 _ARRIVAL_KEY_BYTES = 1024
 _ARRIVALS_KEPT = 4096
@@ -264,6 +265,11 @@ class Shed:
     lane: str | None
     rule: str | None
     signal: str | None
+    reason: Reason
+    """Why, as counted (the descriptor that sheds longest)."""
+    tenant: str
+    counted_as: str = ANY_LANE
+    """The lane the refusal is counted in: ``lane``, or ``ANY_LANE`` when it could land in several."""
 
 
 class Edge:
@@ -299,7 +305,9 @@ class Edge:
         # Classification reads the path without its query: so does the key. A key longer than
         # _ARRIVAL_KEY_BYTES (client-chosen paths and header values) is classified, not kept: the
         # memo holds at most _ARRIVALS_KEPT small keys.
-        key = tuple((k, v.split("?", 1)[0]) if k == "path" else (k, v) for k, v in entries.items())
+        # The request id (a descriptor's own, with --edge call) is unique per request: never in the key.
+        key = tuple((k, v.split("?", 1)[0]) if k == "path" else (k, v) for k, v in entries.items()
+                    if k != REQUEST_ID)
         known = self._arrivals.get(key)
         if known is None:
             known = self.request(entries)
@@ -445,4 +453,4 @@ class Edge:
             allowed = retry_helps and (permit_retry is None or permit_retry())
         rejection = reject(reason, lane, wait, signal=signal, rule=rule, retry_allowed=allowed,
                            retry_after_ms=told.ms if told is not None else None)
-        return Shed(rejection, lane, rule, signal)
+        return Shed(rejection, lane, rule, signal, reason, worst.tenant, lane or ANY_LANE)

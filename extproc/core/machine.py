@@ -39,6 +39,7 @@ from extproc.core.capacity import AutoLimit, Move, size
 from extproc.core.decision import Decision, Outcome, Reason, Ticket
 from extproc.core.drain import FleetRate
 from extproc.core.edge import (
+    REQUEST_ID,
     UNLIMITED,
     Assessment,
     BudgetAsk,
@@ -58,8 +59,8 @@ from extproc.core.saturation import Change, Effect, Reading, Saturation
 from extproc.policy.ratelimit import RateLimit
 from extproc.policy.schema import Policy
 
-__all__ = ["RETRY_BUDGET_SLOTS", "UNLIMITED", "Assessment", "BucketVerdict", "BudgetAsk", "Check",
-           "Judgement", "LaneView", "Machine", "Shed", "Signalled", "Submitted"]
+__all__ = ["REQUEST_ID", "RETRY_BUDGET_SLOTS", "UNLIMITED", "Assessment", "BucketVerdict", "BudgetAsk",
+           "Check", "Judgement", "LaneView", "Machine", "Shed", "Signalled", "Submitted"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,6 +46,10 @@ class ReloadResult:
     changed: bool
     sha256: str
     problems: tuple[str, ...] = ()
+    previous: str = ""
+    """With ``changed``: the sha256 of the policy it replaced."""
+    trigger: str = ""
+    """What asked for the reload: ``watch``, ``sighup``, ``admin``."""
 
 
 def _stat_key(path: str) -> _StatKey | None:
@@ -131,7 +135,8 @@ class PolicyFile:
         self._failed_sha = ""
         log.info("policy reloaded", file=self.path, trigger=trigger, sha256=sha[:12], previous=previous[:12],
                  lanes=[lane.name for lane in policy.lanes])
-        return self._report(ReloadResult(ok=True, changed=True, sha256=sha))
+        return self._report(ReloadResult(ok=True, changed=True, sha256=sha, previous=previous,
+                                         trigger=trigger))
 
     def _failed(self, found: tuple[Problem, ...], sha: str, trigger: str) -> ReloadResult:
         problems = tuple(str(p) for p in found)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +40,7 @@ from google.protobuf.duration_pb2 import Duration
 from extproc.controller import Controller
 from extproc.core.body import BodyFacts
 from extproc.core.classify import Classification
-from extproc.core.decision import Decision, Outcome, Reason, Rejection, Ticket, reject
+from extproc.core.decision import ANY_LANE, Decision, Outcome, Reason, Rejection, Ticket, reject
 from extproc.core.intake import EDGE_HEADER, JUDGED_HEADER, Head, Intake
 from extproc.core.overload import ARRIVAL_HEADER, SHED_STATUS, OverloadGuard
 from extproc.core.redaction import Redactor
@@ -259,7 +259,7 @@ class _Request:
 
     # One of these is made per request: slots spare it an instance __dict__.
     __slots__ = ("arrival", "body", "client", "cls", "edge_shadow", "edge_shed", "head", "headers", "limits",
-                 "model", "outcome", "p", "pending", "raw_body", "reason", "remove", "request_id",
+                 "model", "outcome", "p", "pending", "policy", "raw_body", "reason", "remove", "request_id",
                  "saturation", "shadow", "status", "ticket", "waiting_body")
 
     def __init__(self, processor: ExternalProcessor) -> None:
@@ -300,11 +300,14 @@ class _Request:
         self.pending: asyncio.Future[pb.ProcessingRequest | None] | None = None
         #: In the edge's shadow mode, what it would have done (for the access log), until sent.
         self.edge_shadow: str | None = None
+        #: The sha256 of the policy file in force when the request was decided (its record says it).
+        self.policy = ""
 
     def on_headers(self, message: pb.HttpHeaders, client: str | None) -> pb.ProcessingResponse | None:
         """The answer to the request headers, or None when the request is to be decided on them."""
         self.arrival = time.time()
         self.client = client
+        self.policy = self.p.policy_hash()
         raw, repeated = _headers_of(message)
         head = self.head = self.p.intake.head(raw.get(":method", ""), raw.get(":path", ""), raw,
                                               repeated=repeated, has_body=not message.end_of_stream)
@@ -373,8 +376,22 @@ class _Request:
                ) -> pb.ProcessingResponse:
         """An answer that ends the request before it is classified (bad request, slow body)."""
         self.outcome, self.reason = Outcome.REJECTED, reason
-        self.p.controller.metrics.intake_rejections.labels(reason.value).inc()
+        self.policy = self.p.policy_hash()
+        controller = self.p.controller
+        controller.metrics.intake_rejections.labels(reason.value).inc()
+        controller.refused(*self._owner(reason))
         return _immediate(reject(reason, None, retry_after, detail=detail), reason, self.limits)
+
+    def _owner(self, reason: Reason) -> tuple[str, Reason, str | None]:
+        """A refusal before classification as counted: the lane its headers give (``ANY_LANE`` when they
+        leave several, or the request cannot be classified as sent) and its tenant (None: unknown)."""
+        head = self.head
+        if head is None or reason is Reason.BAD_REQUEST:
+            return ANY_LANE, reason, None
+        intake = self.p.intake
+        lanes = intake.lanes(head.method, head.path, head.headers)
+        return (lanes[0] if len(lanes) == 1 else ANY_LANE), reason, \
+            intake.tenant(head.method, head.path, head.headers)
 
     def on_response_headers(self, message: pb.HttpHeaders) -> pb.ProcessingResponse:
         self.status = _status_of(message)
@@ -400,6 +417,7 @@ class _Request:
         """Classify, estimate and submit: admitted, rejected, or queued (then Controller.wait decides)."""
         assert self.head is not None
         arrival = self.p.intake.arrival(self.head, self.body)
+        self.policy = self.p.policy_hash()
         self.model = arrival.facts.model
         self.cls = arrival.classification
         decision = self.p.controller.submit(arrival.lane, arrival.tenant, arrival.job, retry=arrival.retry)
@@ -510,10 +528,17 @@ class _Request:
             controller.metrics.stream_errors.labels("undecided").inc()
             self.p.log.warning("stream ended before a decision: client gone before its body, or the "
                                "ext_proc filter lacks allow_mode_override", request_id=self.request_id)
+        self._record(self.headers, service_ms)
+
+    def _record(self, headers: Mapping[str, str], service_ms: int | None) -> None:
+        """Write the request's one decision record."""
         cls = self.cls
-        headers = self.headers
+        ticket = self.ticket
+        controller = self.p.controller
         fields: dict[str, Any] = {
             "request_id": self.request_id,
+            # The sha256 of the policy file that decided it (``simulate --verify --policy`` matches it).
+            "policy": self.policy,
             "lane": cls.lane if cls else None,
             "tenant": self.p.redactor.tenant(cls.tenant) if cls else None,
             "rule": cls.rule if cls else None,
@@ -525,7 +550,7 @@ class _Request:
             "arrival": round(self.arrival, 3),
             "method": headers.get(":method", ""),
             "path": headers.get(":path", "").split("?", 1)[0],
-            "status": status,
+            "status": self.status,
             # (credential-like values as keyed hashes: see core/redaction.py).
             "headers": self.p.redactor.headers(headers, self.p.controller.policy.trusted_headers),
         }
@@ -561,8 +586,11 @@ class _Request:
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(self, controller: Controller, *, log_key: bytes | None = None,
-                 overload_after: float = 0.0, edge: RateLimitService | None = None) -> None:
+                 overload_after: float = 0.0, edge: RateLimitService | None = None,
+                 policy_hash: Callable[[], str] = str) -> None:
         self.controller = controller
+        #: The sha256 of the policy file in force (read as each request is decided).
+        self.policy_hash = policy_hash
         #: Refuses at once what reaches extproc too late to be worth deciding (0: off).
         self.overload = OverloadGuard(overload_after)
         self._overload_logged = 0.0
@@ -691,7 +719,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
     def _judge_edge(self, request: _Request) -> Awaitable[rls_pb2.RateLimitResponse | None]:
         """The edge's judgement of the request's arrival, in process (the call itself, to be awaited)."""
         assert self.edge is not None
-        return self.edge.judge_inline(request.edge_entries())
+        return self.edge.judge_inline(request.edge_entries(), request.request_id)
 
     def _answer_to(self, request: _Request, kind: str | None, message: pb.ProcessingRequest
                    ) -> pb.ProcessingResponse | None:
@@ -715,6 +743,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
     def _overloaded(self) -> None:
         controller = self.controller
         controller.metrics.intake_rejections.labels(Reason.OVERLOADED.value).inc()
+        # Refused before its headers were read (what the guard saves): no lane, no tenant.
+        controller.refused(ANY_LANE, Reason.OVERLOADED, None)
         now = time.monotonic()
         if now - self._overload_logged >= _OVERLOAD_LOG_EVERY:
             self._overload_logged = now

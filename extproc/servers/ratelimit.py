@@ -41,8 +41,9 @@ from envoy.service.ratelimit.v3 import rls_pb2 as pb
 from envoy.service.ratelimit.v3 import rls_pb2_grpc as pb_grpc
 
 from extproc.core.backlog import Backlog
+from extproc.core.decision import Reason
 from extproc.core.intake import JUDGED_HEADER
-from extproc.core.machine import UNLIMITED, BucketVerdict, BudgetAsk, Check, Judgement, Machine
+from extproc.core.machine import REQUEST_ID, UNLIMITED, BucketVerdict, BudgetAsk, Check, Judgement, Machine
 from extproc.core.redaction import Redactor
 from extproc.core.usage import USAGE, USAGE_ENTRIES, Charge, charged
 from extproc.metrics import RateLimitMetrics
@@ -87,8 +88,14 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
     def __init__(self, machine: Machine, metrics: RateLimitMetrics, config: Callable[[], RateLimit], *,
                  clock: Callable[[], float] = time.monotonic, log_key: bytes | None = None,
                  wall: Callable[[], float] = time.time, store: BudgetStore | None = None,
-                 store_timeout: float = 0.02) -> None:
+                 store_timeout: float = 0.02, refused: Callable[[str, Reason, str], None] | None = None,
+                 policy_hash: Callable[[], str] = str) -> None:
         self.machine = machine
+        #: Told of every request the edge sheds (its lane label, reason and tenant), to count it as every
+        #: refusal is counted (``Controller.refused``).
+        self.refused = refused
+        #: The sha256 of the policy file in force, for the records of sheds.
+        self.policy_hash = policy_hash
         self.metrics = metrics
         self.config = config
         self.now = clock
@@ -138,11 +145,13 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
             return False
         return any(_entries(d).get("generic_key") == config.request_descriptor for d in request.descriptors)
 
-    async def judge_inline(self, entries: Mapping[str, str]) -> pb.RateLimitResponse | None:
+    async def judge_inline(self, entries: Mapping[str, str], request_id: str = ""
+                           ) -> pb.RateLimitResponse | None:
         """The edge's answer to one arrival judged in ext_proc's headers phase (the proxy says so
         with ``x-extproc-edge``: its ratelimit filter then sends no arrival descriptor): the very
         ``decide`` the filter's call gets, for the descriptor that call would carry (``entries``: its
-        method, path and the headers the policy reads, ``Intake.descriptor``). None: the edge is off,
+        method, path and the headers the policy reads, ``Intake.descriptor``; ``request_id``: Envoy's,
+        as the call's ``request_id`` entry carries it). None: the edge is off,
         or failed (counted and logged as a call's error); the request goes on to ext_proc's decision,
         as the filter fails open."""
         try:
@@ -154,6 +163,8 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
             add(key="generic_key", value=config.request_descriptor)
             for key, value in entries.items():
                 add(key=key, value=value)
+            if request_id:
+                add(key=REQUEST_ID, value=request_id)
             if self.store is not None:
                 return await self.decide_shared(request)
             return self.decide(request)
@@ -376,7 +387,9 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
         if judgement.over:
             redactor = self._redaction()
             # Like a decision record, replayable: when, where to, and the trusted headers it carried.
-            self.log.info("edge_shed", lane=judgement.lane, tenant=redactor.tenant(judgement.tenant),
+            # request_id: Envoy's (the descriptor's request_id entry), so the proxy's access log joins it.
+            self.log.info("edge_shed", request_id=entries.get(REQUEST_ID, ""), policy=self.policy_hash(),
+                          lane=judgement.lane, tenant=redactor.tenant(judgement.tenant),
                           reason=reason.value if reason else None, shadow=judgement.shadow,
                           arrival=round(time.time(), 3), method=entries.get("method", ""),
                           path=entries.get("path", "").split("?", 1)[0],
@@ -394,6 +407,8 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
     def _over_limit(self, response: pb.RateLimitResponse, shed: list[Judgement]) -> None:
         response.overall_code = pb.RateLimitResponse.OVER_LIMIT
         answer = self.machine.shed(shed, self.now())
+        if self.refused is not None:
+            self.refused(answer.counted_as, answer.reason, answer.tenant)
         if answer.rule is not None and answer.lane is not None and self.metrics.saturation is not None:
             self.metrics.saturation.labels(answer.lane, answer.rule, answer.signal or "").inc()
         rejection = answer.rejection

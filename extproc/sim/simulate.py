@@ -529,7 +529,9 @@ def tenant_shares(run: Run, policy: Policy) -> dict[str, dict[str, tuple[float, 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("compare", nargs="*", metavar="compare A.yaml B.yaml",
                         help="compare two policies on the same requests instead of the baselines")
-    parser.add_argument("--policy", help="the policy to simulate (with the two baselines)")
+    parser.add_argument("--policy", action="append", metavar="FILE",
+                        help="the policy to simulate (with the two baselines); with --verify, each policy "
+                        "the log names (repeat it: a record names the sha256 of its policy file's bytes)")
     parser.add_argument("--workload", help="workload spec (YAML); with --trace, only its SLOs are used")
     parser.add_argument("--trace", help="replay a trace: Azure 2023, Mooncake or BurstGPT, extproc's JSONL "
                         "or decision log (see --trace-format); with --rate or --load, sped up to that rate")
@@ -546,9 +548,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fifo-cap", type=int, default=None,
                         help="queue cap of the FIFO baseline (default: the policy's lanes' queues summed)")
     parser.add_argument("--verify", action="store_true",
-                        help="with --trace DECISION_LOG and --policy: replay every logged attempt through "
-                        "the core and report how often it decides as the live service did (lane, tenant, "
-                        "outcome); --json writes {\"verify\": {...}}")
+                        help="with --trace DECISION_LOG and --policy (one per policy the log names): replay "
+                        "every logged attempt through the core, each under the policy that decided it and "
+                        "with the logged drains, pauses and reloads, and report how often it decides as the "
+                        "live service did (lane, tenant, outcome); --json writes {\"verify\": {...}}")
     parser.add_argument("--json", dest="json_out", help="write the summaries here")
     parser.add_argument("--plot", help="write a PNG here")
     traces.add_arguments(parser)
@@ -589,14 +592,16 @@ def command(args: argparse.Namespace) -> int:
         raise SystemExit("extproc simulate: give --policy FILE (or `compare A.yaml B.yaml`)")
     if args.verify:
         return _verify(args)
+    if args.policy and len(args.policy) > 1:
+        raise SystemExit("extproc simulate: give one --policy (several only with --verify)")
     profile = get_profile(args.profile)
     try:
         if args.compare:
             policies: dict[str, Policy | None] = {p: load_policy(p) for p in args.compare[1:]}
         else:
-            policy = load_policy(args.policy)
+            policy = load_policy(args.policy[0])
             policies = {Mode.NONE.value: None, Mode.FIFO.value: fifo_policy(policy, args.fifo_cap),
-                        f"policy ({Path(args.policy).name})": policy}
+                        f"policy ({Path(args.policy[0]).name})": policy}
     except PolicyError as exc:
         print(exc, file=sys.stderr)
         return 2
@@ -659,28 +664,38 @@ def command(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     from extproc.policy import PolicyError, load_policy
-    from extproc.sim.verify import LogError, read_log_file, replay
+    from extproc.sim.verify import LogError, PolicyMissing, policies_by_hash, read_log_file, replay, resolve
 
     if not args.trace or args.compare:
         raise SystemExit("extproc simulate: --verify needs --trace DECISION_LOG and --policy FILE")
     try:
-        policy = load_policy(args.policy)
+        files = policies_by_hash(args.policy, load_policy)
     except PolicyError as exc:
         print(exc, file=sys.stderr)
         return 2
-    try:
-        attempts = read_log_file(args.trace)
-    except (OSError, LogError) as exc:
+    except OSError as exc:
         print(f"extproc simulate: {exc}", file=sys.stderr)
         return 2
-    if not attempts:
+    try:
+        log = read_log_file(args.trace)
+        policies = resolve(log, {sha: policy for sha, (_, policy) in files.items()})
+    except (OSError, LogError, PolicyMissing) as exc:
+        print(f"extproc simulate: {args.trace}: {exc}", file=sys.stderr)
+        return 2
+    if not log.attempts:
         print(f"extproc simulate: {args.trace}: no decision records to replay", file=sys.stderr)
         return 2
     started = time.perf_counter()
-    summary = replay(attempts, policy, seed=args.seed).summary()
+    summary = replay(log, policies, seed=args.seed).summary()
     print(f"{summary['requests']} logged attempts replayed in {time.perf_counter() - started:.1f}s: "
           f"lane {summary['lane_agreement']:.1%}, tenant {summary['tenant_agreement']:.1%}, "
           f"outcome {summary['outcome_agreement']:.1%} as the live service decided")
+    names = {sha: path for sha, (path, _) in files.items()}
+    for span in summary["spans"]:
+        name = names.get(span["policy"]) or next(iter(names.values()))
+        print(f"  {span['attempts']:6d}  under {Path(name).name} ({span['policy'][:12] or 'no hash'})")
+    if summary["actions"]:
+        print("  applied: " + ", ".join(f"{n} {action}" for action, n in summary["actions"].items()))
     for kind, count in list(summary["disagreements"].items())[:8]:
         print(f"  {count:6d}  live {kind}")
     if args.json_out:

@@ -13,13 +13,25 @@ queued are left out: their time of leaving is not logged.
 
 Each attempt's outcome is compared in three classes — admitted at once, held then admitted
 (a logged ``queue_ms`` of 1 or more), rejected with its reason — beside its lane and tenant.
+
+A log may span several policies: each record names the sha256 of the policy file that decided it
+(``policy``), and the ``operator`` records say when an operator reloaded, drained, undrained,
+paused or resumed. The replay is given the policies by file (:func:`policies_by_hash`), matches
+them by hash, and replays each span under the policy that decided it — one machine, reconfigured
+where the live one was (at a reload record, or else at the first record decided by the next
+policy), as the live service swaps policies without losing its queues — and applies every drain
+and pause where it happened. A log that names a policy it was not given is refused
+(:class:`PolicyMissing`), its spans named. A log from before records carried a hash replays under
+its one policy.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +46,10 @@ _CONSOLE_MARKS = ("[info", "[warning", "[error", "[debug")
 
 class LogError(ValueError):
     """The file is not a decision log extproc wrote in its JSON format."""
+
+
+class PolicyMissing(ValueError):
+    """The log was decided (in part) by policies the replay was not given: the message names the spans."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +71,50 @@ class Attempt:
     retry: bool = False
     status: int | None = None
     service_s: float | None = None
+    policy: str = ""
+    """The sha256 of the policy file that decided it ("": a log from before records carried it)."""
+
+
+#: The operator actions a replay applies (the ``operator`` records' ``action``).
+ACTIONS = ("drain", "undrain", "pause", "resume", "reload")
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One operator record: what an operator (or a shutdown, or the policy watcher) did, and when."""
+
+    at: float
+    action: str
+    policy: str
+    """The sha256 of the policy in force after it."""
+    lane: str | None = None
+
+
+@dataclass
+class Log:
+    """A decision log's replayable attempts and operator actions, each in time order."""
+
+    attempts: list[Attempt]
+    actions: list[Action] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """A run of consecutive attempts decided by one policy."""
+
+    policy: str
+    first: float
+    last: float
+    attempts: int
+
+    def describe(self) -> str:
+        when = "–".join(dict.fromkeys(_clock(t) for t in (self.first, self.last)))
+        name = f"policy {self.policy[:12]}" if self.policy else "no policy hash"
+        return f"{name}: {self.attempts} attempt{'s' if self.attempts != 1 else ''}, {when}"
+
+
+def _clock(epoch: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(epoch))
 
 
 def _outcome(doc: dict[str, Any]) -> str | None:
@@ -68,9 +128,10 @@ def _outcome(doc: dict[str, Any]) -> str | None:
     return None  # cancelled or abandoned: the client went away
 
 
-def read_log(lines: Iterable[str], source: str = "<log>") -> list[Attempt]:
-    """Every replayable attempt of a decision log, in arrival order; other lines are skipped."""
-    attempts: list[Attempt] = []
+def read_log(lines: Iterable[str], source: str = "<log>") -> Log:
+    """Every replayable attempt and operator action of a decision log, in time order; other lines
+    are skipped."""
+    out = Log([], [])
     json_lines = console_lines = 0
     for line in lines:
         text = line.strip()
@@ -83,32 +144,86 @@ def read_log(lines: Iterable[str], source: str = "<log>") -> list[Attempt]:
         except ValueError:
             continue
         json_lines += 1
-        if doc.get("event") not in ("decision", "edge_shed") or "arrival" not in doc:
+        if doc.get("event") == "operator":
+            if doc.get("action") in ACTIONS and isinstance(doc.get("at"), int | float):
+                out.actions.append(Action(float(doc["at"]), doc["action"], str(doc.get("policy") or ""),
+                                          doc.get("lane")))
             continue
-        if doc.get("event") == "decision" and doc.get("lane") is None:
-            continue  # refused before classification (a repeated header, a late body)
-        outcome = _outcome(doc)
-        if outcome is None:
-            continue
-        service = doc.get("service_ms")
-        attempts.append(Attempt(
-            at=float(doc["arrival"]), method=doc.get("method") or "POST", path=doc.get("path") or "/",
-            headers={str(k): str(v) for k, v in (doc.get("headers") or {}).items()},
-            lane=doc.get("lane"), tenant=doc.get("tenant"), outcome=outcome,
-            edge=doc.get("event") == "edge_shed", model=doc.get("model"),
-            prompt_tokens=int(doc.get("prompt_tokens") or 0), output_tokens=doc.get("output_tokens"),
-            retry=bool(doc.get("retry")), status=doc.get("status"),
-            service_s=service / 1000 if isinstance(service, int | float) else None))
-    if not attempts and console_lines and not json_lines:
+        attempt = _attempt(doc)
+        if attempt is not None:
+            out.attempts.append(attempt)
+    if not out.attempts and console_lines and not json_lines:
         raise LogError(f"{source}: a console-format log; replay needs extproc serve's JSON log "
                        "(--log-format json, the default)")
-    attempts.sort(key=lambda a: a.at)
-    return attempts
+    out.attempts.sort(key=lambda a: a.at)
+    out.actions.sort(key=lambda a: a.at)
+    return out
 
 
-def read_log_file(path: str | Path) -> list[Attempt]:
+def _attempt(doc: dict[str, Any]) -> Attempt | None:
+    """A decision or edge_shed record as a replayable attempt (None: not one, or not replayable)."""
+    if doc.get("event") not in ("decision", "edge_shed") or "arrival" not in doc:
+        return None
+    if doc.get("event") == "decision" and doc.get("lane") is None:
+        return None  # refused before classification (a repeated header, a late body)
+    outcome = _outcome(doc)
+    if outcome is None:
+        return None
+    service = doc.get("service_ms")
+    return Attempt(
+        at=float(doc["arrival"]), method=doc.get("method") or "POST", path=doc.get("path") or "/",
+        headers={str(k): str(v) for k, v in (doc.get("headers") or {}).items()},
+        lane=doc.get("lane"), tenant=doc.get("tenant"), outcome=outcome,
+        edge=doc.get("event") == "edge_shed", model=doc.get("model"),
+        prompt_tokens=int(doc.get("prompt_tokens") or 0), output_tokens=doc.get("output_tokens"),
+        retry=bool(doc.get("retry")), status=doc.get("status"),
+        service_s=service / 1000 if isinstance(service, int | float) else None,
+        policy=str(doc.get("policy") or ""))
+
+
+def read_log_file(path: str | Path) -> Log:
     with Path(path).open(errors="replace") as source:
         return read_log(source, str(path))
+
+
+def spans(attempts: Iterable[Attempt]) -> list[Span]:
+    """The runs of consecutive attempts decided by one policy, in order."""
+    out: list[Span] = []
+    for attempt in attempts:
+        last = out[-1] if out else None
+        if last is not None and last.policy == attempt.policy:
+            out[-1] = Span(last.policy, last.first, attempt.at, last.attempts + 1)
+        else:
+            out.append(Span(attempt.policy, attempt.at, attempt.at, 1))
+    return out
+
+
+def policies_by_hash(paths: Iterable[str], load: Callable[[str], Policy]) -> dict[str, tuple[str, Policy]]:
+    """Each policy file by the sha256 of its bytes (what a record's ``policy`` names): its path, and
+    the policy ``load(path)`` made of it."""
+    out: dict[str, tuple[str, Policy]] = {}
+    for path in paths:
+        out[hashlib.sha256(Path(path).read_bytes()).hexdigest()] = (path, load(path))
+    return out
+
+
+def resolve(log: Log, given: Mapping[str, Policy]) -> dict[str, Policy]:
+    """The policy of each hash the log names, from ``given`` (by hash); a log without hashes takes the
+    one policy given. PolicyMissing, naming the spans, for a log that needs a policy not given."""
+    named = {a.policy for a in log.attempts} | {a.policy for a in log.actions if a.action == "reload"}
+    out = {sha: given[sha] for sha in named if sha in given}
+    if "" in named:
+        if len(given) != 1:
+            raise PolicyMissing(
+                "the log's records carry no policy hash (a log from before extproc recorded it): give "
+                "exactly the one policy that decided it")
+        out[""] = next(iter(given.values()))
+    missing = [span for span in spans(log.attempts) if span.policy not in out]
+    if missing:
+        lines = "\n".join(f"  {span.describe()}" for span in missing)
+        raise PolicyMissing(f"the log was decided by {len({s.policy for s in missing})} policy file(s) not "
+                            f"given (each --policy FILE is matched by the sha256 of its bytes):\n{lines}")
+    return out
 
 
 @dataclass
@@ -119,6 +234,8 @@ class Verdicts:
     lanes: list[str | None] = field(default_factory=list)
     tenants: list[str | None] = field(default_factory=list)
     outcomes: list[str] = field(default_factory=list)
+    #: Operator actions applied, by action.
+    applied: dict[str, int] = field(default_factory=dict)
 
     def agreement(self, mine: list[str | None] | list[str], theirs: list[str | None]) -> float:
         pairs = [(a, b) for a, b in zip(mine, theirs, strict=True) if b is not None]
@@ -137,6 +254,9 @@ class Verdicts:
             "tenant_agreement": round(self.agreement(self.tenants, [a.tenant for a in attempts]), 4),
             "outcome_agreement": round(self.agreement(self.outcomes, [a.outcome for a in attempts]), 4),
             "disagreements": dict(sorted(mismatched.items(), key=lambda kv: -kv[1])),
+            "spans": [{"policy": span.policy, "from": span.first, "to": span.last, "attempts": span.attempts}
+                      for span in spans(attempts)],
+            "actions": dict(sorted(self.applied.items())),
         }
 
 
@@ -184,15 +304,63 @@ class _Replay:
             out.outcomes[index] = f"rejected:{reason.value if reason else ''}"
 
 
-def replay(attempts: list[Attempt], policy: Policy, seed: int = 1) -> Verdicts:
-    """Decide every attempt again with ``policy``, on the logged arrivals and service times."""
+def replay(log: Log | list[Attempt], policy: Policy | Mapping[str, Policy], seed: int = 1) -> Verdicts:
+    """Decide every attempt again on the logged arrivals and service times: each under the policy that
+    decided it (``policy``: by hash, as :func:`resolve` gives them; one policy: for every attempt), with
+    the logged operator actions applied where they happened."""
+    if isinstance(log, list):
+        log = Log(log)
+    attempts = log.attempts
+    policies = policy if isinstance(policy, Mapping) else {a.policy: policy for a in attempts}
     listener = _Replay(attempts)
     if not attempts:
         return listener.out
-    driver = listener.driver = Driver(Machine(policy, random.Random(seed), edge_rng=random.Random(seed + 1)),
+    first = policies[attempts[0].policy]
+    driver = listener.driver = Driver(Machine(first, random.Random(seed), edge_rng=random.Random(seed + 1)),
                                       listener)
-    origin = attempts[0].at
+    origin = min(attempts[0].at, log.actions[0].at if log.actions else attempts[0].at)
+    swap = _Swap(driver, policies, attempts[0].policy, listener.out)
+    for action in log.actions:
+        driver.at(action.at - origin, lambda now, action=action: swap.act(action, now))  # type: ignore[misc]
     for i, attempt in enumerate(attempts):
-        driver.at(attempt.at - origin, lambda now, i=i: listener.arrive(i, now, policy))  # type: ignore[misc]
+        def arrive(now: float, i: int = i, attempt: Attempt = attempt) -> None:
+            swap.to(attempt.policy, now)
+            listener.arrive(i, now, driver.machine.policy)
+        driver.at(attempt.at - origin, arrive)
     driver.run()
     return listener.out
+
+
+class _Swap:
+    """The policy in force in the replay, and the operator actions on it."""
+
+    def __init__(self, driver: Driver, policies: Mapping[str, Policy], current: str, out: Verdicts) -> None:
+        self.driver = driver
+        self.policies = policies
+        self.current = current
+        self.out = out
+
+    def to(self, sha: str, now: float) -> None:
+        """Reconfigure to the policy of ``sha`` if it is not the one in force (and is known)."""
+        if sha == self.current or sha not in self.policies:
+            return
+        self.current = sha
+        driver = self.driver
+        driver.settle(driver.machine.reconfigure(self.policies[sha], now), now)
+
+    def act(self, action: Action, now: float) -> None:
+        machine, driver = self.driver.machine, self.driver
+        if action.action == "reload":
+            self.to(action.policy, now)
+        elif action.action == "drain":
+            driver.settle(machine.drain(now), now)
+        elif action.action == "undrain":
+            driver.settle(machine.undrain(now), now)
+        elif action.lane is not None and action.lane in machine.snapshot(now):
+            if action.action == "pause":
+                machine.pause(action.lane)
+            else:
+                driver.settle(machine.resume(action.lane, now), now)
+        else:
+            return
+        self.out.applied[action.action] = self.out.applied.get(action.action, 0) + 1

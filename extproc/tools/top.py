@@ -29,7 +29,7 @@ import sys
 import termios
 import time
 import tty
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TextIO
 from urllib.parse import urlsplit
@@ -438,15 +438,24 @@ def _rejections(state: pb.State, previous: pb.State | None, g: Glyphs) -> Render
     before = {lane.name: lane.rejections for lane in previous.lanes} if previous is not None else {}
     rows: list[list[RenderableType]] = []
     for lane in state.lanes:
-        old = before.get(lane.name)
-        parts = []
-        for reason, n in sorted(lane.rejections.items(), key=lambda kv: (-kv[1], kv[0])):
-            # A count that went down means extproc restarted: no delta is better than a negative one.
-            delta = n - old.get(reason, 0) if old is not None else 0
-            parts += [f"{clean(reason)} {n}" + (f" (+{delta})" if delta > 0 else "")] if n else []
-        rows += [[clean(lane.name) or g.missing, _cut("  ".join(parts))]] if parts else []
+        parts = _counts(lane.rejections, before.get(lane.name))
+        rows += [[clean(lane.name) or g.missing, _cut(parts)]] if parts else []
+    # Refusals no single lane owns (an edge shed whose model decides its lane, a request refused before
+    # it was classified): the metrics' lane "*".
+    parts = _counts(state.any_lane_rejections, previous.any_lane_rejections if previous is not None else None)
+    rows += [["* (any lane)", _cut(parts)]] if parts else []
     since = " (+ since the last frame)" if previous is not None else ""
     return _section(f"REJECTIONS since start{since}", rows)
+
+
+def _counts(counts: Mapping[str, int], old: Mapping[str, int] | None) -> str:
+    """Counts by reason, most first, each with its rise since ``old`` (None: no frame before)."""
+    parts = []
+    for reason, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+        # A count that went down means extproc restarted: no delta is better than a negative one.
+        delta = n - old.get(reason, 0) if old is not None else 0
+        parts += [f"{clean(reason)} {n}" + (f" (+{delta})" if delta > 0 else "")] if n else []
+    return "  ".join(parts)
 
 
 def _tenants(state: pb.State, g: Glyphs) -> RenderableType | None:

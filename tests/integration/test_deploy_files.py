@@ -14,6 +14,7 @@ import yaml
 
 from extproc import bootstrap
 from extproc.core import usage as usage_mod
+from extproc.core.machine import REQUEST_ID
 from extproc.core.overload import SHED_STATUS
 from extproc.localstack import ROOT, envoy_binary
 from extproc.policy import load_policy
@@ -228,6 +229,9 @@ def test_the_shipped_edge_is_judged_in_ext_proc_and_the_call_form_sends_what_the
     # And the retry header: a retry that holds a booked return must reach ext_proc to claim it.
     retry = policy.retry_budget.header
     assert sent[retry] == {"header_name": retry, "descriptor_key": retry, "skip_if_absent": True}
+    # And Envoy's request id, which the edge logs with a shed (and never classifies).
+    assert sent["x-request-id"] == {"header_name": "x-request-id", "descriptor_key": REQUEST_ID,
+                                    "skip_if_absent": True}
     assert not arrival.get("apply_on_stream_done", False)
     assert usage["apply_on_stream_done"] is True
     assert "hits_addend" not in usage  # a response without a header must still be charged

@@ -1418,7 +1418,8 @@ def test_alert_rules_pass_promtool(rendered: Rendered, tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     alerts = {r["alert"] for g in rule_groups(rendered["base"]) for r in g["rules"] if "alert" in r}
     assert {"InferenceQueueWaitP95High", "InferenceRejectionsRising", "InferenceKVCacheSaturated",
-            "InferencePendingRequestsGrowing", "ExtprocPolicyReloadFailing", "ExtprocSignalStale",
+            "InferencePendingRequestsGrowing", "InferenceTenantRejectionsHigh", "ExtprocRateLimitIgnored",
+            "ExtprocReplicaDrained", "ExtprocLanePaused", "ExtprocPolicyReloadFailing", "ExtprocSignalStale",
             "ExtprocStoreDegraded", "ExtprocCapacitySignalsStale", "ExtprocCapacityScrapeDown",
             "ExtprocCapacityTargetUnreachable", "ExtprocCapacityAtMinimum"} <= alerts
 
@@ -1434,15 +1435,34 @@ ALERT_CASES: dict[str, tuple[dict[str, str], str, list[dict[str, str]]]] = {
         'inference_queue_wait_seconds_bucket{lane="batch",le="+Inf"}': "0+10x40",
     }, "20m", [{"lane": "interactive", "severity": "warning"}]),
     "InferenceRejectionsRising": ({
-        # batch: 20 of 120 finished decisions rejected; interactive: only draining rejections.
+        # batch: 20 of 120 finished decisions rejected, 15 by the edge's tenant budgets; interactive:
+        # only draining rejections; lane "*" (edge sheds whose model decides the lane): 30 of every
+        # lane's 270 decisions, a share of them all (never of its own, which is always 1).
         'inference_admission_decisions_total{lane="batch",outcome="admitted"}': "0+100x40",
         'inference_admission_decisions_total{lane="batch",outcome="rejected"}': "0+20x40",
         'inference_admission_decisions_total{lane="batch",outcome="queued"}': "0+50x40",
-        'inference_admission_rejections_total{lane="batch",reason="queue_full"}': "0+20x40",
+        'inference_admission_rejections_total{lane="batch",reason="queue_full"}': "0+5x40",
+        'inference_admission_rejections_total{lane="batch",reason="tenant_request_budget"}': "0+15x40",
         'inference_admission_decisions_total{lane="interactive",outcome="admitted"}': "0+100x40",
         'inference_admission_decisions_total{lane="interactive",outcome="rejected"}': "0+20x40",
         'inference_admission_rejections_total{lane="interactive",reason="draining"}': "0+20x40",
-    }, "20m", [{"lane": "batch", "severity": "warning"}]),
+        'inference_admission_decisions_total{lane="*",outcome="rejected"}': "0+30x40",
+        'inference_admission_rejections_total{lane="*",reason="tenant_token_budget"}': "0+30x40",
+    }, "20m", [{"lane": "batch", "severity": "warning"}, {"lane": "*", "severity": "warning"}]),
+    "InferenceTenantRejectionsHigh": ({
+        # free: 12 of its 20 requests a minute refused by its budget; acme: 2 of 100; tiny: all of its
+        # few; rolling: only draining; every unnamed tenant together: most, but in the lane ratios.
+        'extproc_tenant_requests_total{tenant="free"}': "0+20x40",
+        'extproc_tenant_rejections_total{tenant="free",reason="tenant_request_budget"}': "0+12x40",
+        'extproc_tenant_requests_total{tenant="acme"}': "0+100x40",
+        'extproc_tenant_rejections_total{tenant="acme",reason="queue_full"}': "0+2x40",
+        'extproc_tenant_requests_total{tenant="tiny"}': "0+0.5x40",
+        'extproc_tenant_rejections_total{tenant="tiny",reason="tenant_request_budget"}': "0+0.5x40",
+        'extproc_tenant_requests_total{tenant="rolling"}': "0+10x40",
+        'extproc_tenant_rejections_total{tenant="rolling",reason="draining"}': "0+10x40",
+        'extproc_tenant_requests_total{tenant="(other)"}': "0+50x40",
+        'extproc_tenant_rejections_total{tenant="(other)",reason="fair_share"}': "0+40x40",
+    }, "25m", [{"tenant": "free", "severity": "warning"}]),
     "InferenceKVCacheSaturated": ({
         'vllm:kv_cache_usage_perc{model_name="llama",pod="a"}': "0.99x40",
         'vllm:kv_cache_usage_perc{model_name="llama",pod="b"}': "0.97x40",
@@ -1488,6 +1508,22 @@ ALERT_CASES: dict[str, tuple[dict[str, str], str, list[dict[str, str]]]] = {
         'inference_admission_decisions_total{lane="interactive",outcome="admitted"}': "0+100x40",
         'extproc_shadow_decisions_total{lane="interactive",outcome="rejected",reason="queue_full"}': "0+1x40",
     }, "30m", [{"lane": "batch", "severity": "info"}]),
+    "ExtprocRateLimitIgnored": ({
+        # Pod a's proxies call with another domain, 10 descriptors a minute; pod b saw one stray call.
+        'extproc_ratelimit_ignored_total{namespace="extproc",pod="a",kind="unknown_domain"}': "0+10x40",
+        'extproc_ratelimit_ignored_total{namespace="extproc",pod="b",kind="unknown_descriptor"}': "0x5 1x35",
+    }, "30m", [{"namespace": "extproc", "pod": "a", "kind": "unknown_domain", "severity": "warning"}]),
+    "ExtprocReplicaDrained": ({
+        # Pod a was drained by hand 25 minutes ago; pod b drained for a minute as it shut down.
+        'extproc_draining{namespace="extproc",pod="a"}': "0x5 1x35",
+        'extproc_draining{namespace="extproc",pod="b"}': "0x20 1 0x19",
+    }, "30m", [{"namespace": "extproc", "pod": "a", "severity": "warning"}]),
+    "ExtprocLanePaused": ({
+        # Pod a's batch lane paused 45 minutes ago; pod b's for 10 minutes of maintenance, then resumed.
+        'extproc_lane_paused{namespace="extproc",pod="a",lane="batch"}': "0x5 1x60",
+        'extproc_lane_paused{namespace="extproc",pod="a",lane="interactive"}': "0x65",
+        'extproc_lane_paused{namespace="extproc",pod="b",lane="batch"}': "0x5 1x10 0x50",
+    }, "50m", [{"namespace": "extproc", "pod": "a", "lane": "batch", "severity": "warning"}]),
     "ExtprocSignalStale": ({
         # Pod a has been blind to kueue_pending for 10 minutes; pod b for 3 (still pending:
         # `for: 5m`); kv_cache is read fine on both.
@@ -1567,6 +1603,17 @@ def test_alerts_fire_on_the_situations_they_describe(rendered: Rendered,
              "values": "0+100x40"},
             {"series": 'inference_admission_rejections_total{lane="interactive",reason="queue_full"}',
              "values": "0+1x40"},
+            # An edge shed whose lane the model decides, now and then: a small share of all decisions.
+            {"series": 'inference_admission_decisions_total{lane="*",outcome="rejected"}',
+             "values": "0+1x40"},
+            {"series": 'inference_admission_rejections_total{lane="*",reason="queue_full"}',
+             "values": "0+1x40"},
+            {"series": 'extproc_tenant_requests_total{tenant="acme"}', "values": "0+100x40"},
+            {"series": 'extproc_tenant_rejections_total{tenant="acme",reason="queue_full"}',
+             "values": "0+1x40"},
+            {"series": 'extproc_ratelimit_ignored_total{pod="a",kind="unknown_domain"}', "values": "0x40"},
+            {"series": 'extproc_draining{pod="a"}', "values": "0x40"},
+            {"series": 'extproc_lane_paused{pod="a",lane="batch"}', "values": "0x40"},
             {"series": 'vllm:kv_cache_usage_perc{model_name="llama"}', "values": "0.7x40"},
             {"series": 'extproc_policy_reload_failing{pod="a"}', "values": "0x40"},
             {"series": 'extproc_signal_stale{pod="a",signal="kueue_pending"}', "values": "0x40"},

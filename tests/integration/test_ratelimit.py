@@ -15,6 +15,8 @@ lets it go (no sleeps to line requests up) and reports token usage when asked.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -105,6 +107,8 @@ class Edge:
     upstream: Upstream
     stack: Stack
     live: Live
+    #: What the edge and ext_proc logged (each record: its event and fields).
+    records: list[dict[str, Any]] = field(default_factory=list)
 
     def sample(self, name: str, **labels: str) -> float:
         return self.registry.get_sample_value(name, labels) or 0.0
@@ -147,11 +151,16 @@ async def make_edge(tmp_path: Path, edge_mode: str) -> AsyncIterator[MakeEdge]:
             controller.start()
             exits.push_async_callback(controller.stop)
             server = grpc.aio.server()
-            processor = ExternalProcessor(controller)
+            records: list[dict[str, Any]] = []
+            processor = ExternalProcessor(controller, policy_hash=lambda: POLICY_HASH)
+            processor.log = Recorder(records)  # type: ignore[assignment]
             ext_proc_grpc.add_ExternalProcessorServicer_to_server(processor, server)
             live = Live(config or RateLimit())
             if rls:
-                service = RateLimitService(controller.machine, RateLimitMetrics(registry), live.read)
+                # Wired as App wires it: its sheds counted as every refusal is.
+                service = RateLimitService(controller.machine, RateLimitMetrics(registry), live.read,
+                                           refused=controller.refused, policy_hash=lambda: POLICY_HASH)
+                service.log = Recorder(records)  # type: ignore[assignment]
                 add_to_server(service, server)
                 if mode != "call":
                     processor.edge = service
@@ -191,9 +200,40 @@ async def make_edge(tmp_path: Path, edge_mode: str) -> AsyncIterator[MakeEdge]:
                                                               tweak=point_rls_elsewhere,
                                                               edge="inline" if mode == "inline" else "call"))
             return Edge(mode, f"http://127.0.0.1:{listen}", f"http://127.0.0.1:{admin}", controller, registry,
-                        upstream, stack, live)
+                        upstream, stack, live, records)
 
         yield make
+
+
+POLICY_HASH = "5e" * 32
+
+
+class Recorder:
+    """A bound logger's stand-in that keeps each record (the servicers' own loggers are cached)."""
+
+    def __init__(self, records: list[dict[str, Any]]) -> None:
+        self.records = records
+
+    def info(self, event: str, **fields: Any) -> None:
+        self.records.append({"event": event, **fields})
+
+    warning = error = exception = info
+
+
+async def access_log(edge: Edge, count: int) -> list[dict[str, Any]]:
+    """Envoy's access log records, once it has written ``count`` of them (it flushes every 0.2 s)."""
+    envoy = next(p for p in edge.stack.processes if p.name == "envoy")
+    deadline = time.monotonic() + 10
+    while True:
+        lines = []
+        for line in envoy.output().splitlines():
+            if line.startswith("{"):
+                with contextlib.suppress(ValueError):
+                    lines.append(json.loads(line))
+        lines = [line for line in lines if "request_id" in line and "status" in line]
+        if len(lines) >= count or time.monotonic() > deadline:
+            return lines
+        await asyncio.sleep(0.1)
 
 
 def budgets(**default: Any) -> RateLimit:
@@ -241,9 +281,11 @@ async def test_full_lane_is_shed_at_the_edge_with_429_retry_after_and_ratelimit_
     error = shed.json()["error"]
     assert (error["code"], error["type"]) == ("queue_full", "rate_limit_exceeded")
     assert error["lane"] == "interactive"
-    assert edge.sample("inference_admission_rejections_total", lane="interactive", reason="queue_full") == 0
+    # One count of refusals: the edge's shed is the lane's rejection as much as ext_proc's would be.
     assert edge.sample("extproc_ratelimit_decisions_total", lane="interactive", code="over_limit",
                        reason="queue_full", shadow="false") == 1
+    assert edge.sample("inference_admission_rejections_total", lane="interactive", reason="queue_full") == 1
+    assert edge.sample("inference_admission_decisions_total", lane="interactive", outcome="rejected") == 1
 
 
 async def test_shadow_mode_passes_everything_and_counts(make_edge: MakeEdge) -> None:
@@ -288,6 +330,45 @@ async def test_tenant_request_budget_runs_out(make_edge: MakeEdge) -> None:
     assert refused.headers["x-ratelimit-remaining"] == "0"
     assert refused.json()["error"]["code"] == "tenant_request_budget"
     assert globex.status_code == 200
+
+
+async def test_a_hot_reloaded_tenant_budget_refuses_visibly_and_each_429_joins_extprocs_log(
+        make_edge: MakeEdge) -> None:
+    edge = await make_edge()
+    async with httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
+        before = [await client.post("/v1/chat/completions", json=CHAT, headers=as_tenant("free"))
+                  for _ in range(2)]
+        # A reload gives tenant "free" a budget: the edge reads it at the next call, ext_proc its policy.
+        config = RateLimit.model_validate({"budgets": {"tenants": {"free": {"requests": 2,
+                                                                            "per": "minute"}}}})
+        edge.live.config = config
+        edge.controller.reconfigure(POLICY.model_copy(update={"ratelimit": config}))
+        after = [await client.post("/v1/chat/completions", json=CHAT, headers=as_tenant("free"))
+                 for _ in range(6)]
+    assert [r.status_code for r in before + after] == [200] * 4 + [429] * 4
+    # One count: the edge's own counter, the lane's rejections and decisions, the tenant's.
+    assert edge.sample("extproc_ratelimit_decisions_total", lane="interactive", code="over_limit",
+                       reason="tenant_request_budget", shadow="false") == 4
+    assert edge.sample("inference_admission_rejections_total", lane="interactive",
+                       reason="tenant_request_budget") == 4
+    assert edge.sample("inference_admission_decisions_total", lane="interactive", outcome="rejected") == 4
+    assert edge.sample("inference_admission_decisions_total", lane="interactive", outcome="admitted") == 4
+    assert edge.sample("extproc_tenant_rejections_total", tenant="free", reason="tenant_request_budget") == 4
+    # By name once the policy names the tenant (its budget); before, with every tenant it does not name.
+    assert edge.sample("extproc_tenant_requests_total", tenant="free") == 6
+    assert edge.sample("extproc_tenant_requests_total", tenant="(other)") == 2
+    # One record per request that joins: every 429 in Envoy's access log is an edge_shed record of
+    # extproc's by request id, every 200 a decision record; each says which policy decided it.
+    logged = await access_log(edge, 8)
+    by_status: dict[int, set[str]] = {}
+    for line in logged:
+        by_status.setdefault(int(line["status"]), set()).add(line["request_id"])
+    sheds = [r for r in edge.records if r["event"] == "edge_shed"]
+    decisions = [r for r in edge.records if r["event"] == "decision"]
+    assert len(by_status[429]) == len(sheds) == 4
+    assert {r["request_id"] for r in sheds} == by_status[429]
+    assert {r["request_id"] for r in decisions} == by_status[200]
+    assert {r["policy"] for r in sheds + decisions} == {POLICY_HASH}
 
 
 async def test_tokens_reported_at_stream_end_spend_the_tenant_token_budget(make_edge: MakeEdge) -> None:

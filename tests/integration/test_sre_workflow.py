@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import signal
 import subprocess
 import sys
@@ -9,6 +12,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -334,3 +338,70 @@ def test_the_real_extproc_sheds_at_the_edge_and_keeps_a_retry_budget(make_env: C
     original = httpx.post(env.url + "/v1/x", json={"max_tokens": 5}, headers={"x-stainless-retry-count": "0"},
                           timeout=10)
     assert original.status_code == 200
+
+
+def extproc_records(env: Env, *events: str) -> list[dict[str, Any]]:
+    """extproc's log records of the given events, in the order written."""
+    (process,) = [p for p in env.stack.processes if p.name == "extproc"]
+    records = []
+    for line in process.output().splitlines():
+        if line.startswith("{"):
+            with contextlib.suppress(ValueError):  # (a line still being written)
+                records.append(json.loads(line))
+    return [r for r in records if r.get("event") in events]
+
+
+def test_a_log_across_reloads_a_shadow_spell_and_a_drain_replays_under_its_policies(
+        make_env: Callable[..., Env], tmp_path: Path) -> None:
+    env = make_env(POLICY, extproc_args=("--watch-interval", "0.1"))
+    first = env.policy.read_bytes()
+    shadow = POLICY.replace("lanes:", "shadow: true\nlanes:")
+    closed = POLICY.replace("{name: old, max_inflight: 1,", "{name: old, closed: true, max_inflight: 1,")
+    versions = [first]
+    statuses = [post(env, "/old/x").status_code, post(env).status_code]
+    for n, text in enumerate((shadow, closed), start=1):
+        env.policy.write_text(text)
+        versions.append(text.encode())
+        wait_for(lambda n=n: env.metric("extproc_policy_reloads_total", result="ok") == n, f"reload {n}")
+        statuses += [post(env, "/old/x").status_code, post(env).status_code]
+    httpx.post(env.admin_url + "/admin/drain", timeout=5).raise_for_status()
+    statuses.append(post(env).status_code)
+    httpx.post(env.admin_url + "/admin/undrain", timeout=5).raise_for_status()
+    statuses.append(post(env).status_code)
+    # Under the closed lane, /old is refused; the drain refuses everything.
+    assert statuses == [200, 200, 200, 200, 429, 200, 503, 200]
+    hashes = [hashlib.sha256(v).hexdigest() for v in versions]
+    assert state(env).policy.sha256 == hashes[-1]
+    env.wait_idle()
+    # (The closed lane's refusal is the edge's: an edge_shed record, not a decision of ext_proc's.)
+    wait_for(lambda: len(extproc_records(env, "decision", "edge_shed")) == 8, "every request's record")
+    # Each record names the policy that decided it; each operator action is a record of its own.
+    records = sorted(extproc_records(env, "decision", "edge_shed"), key=lambda r: r["arrival"])
+    assert [r["policy"] for r in records] == [hashes[0]] * 2 + [hashes[1]] * 2 + [hashes[2]] * 4
+    assert [r["event"] for r in records].count("edge_shed") == 1
+    assert [(r["action"], r["trigger"], r["policy"]) for r in extproc_records(env, "operator")] == [
+        ("reload", "watch", hashes[1]), ("reload", "watch", hashes[2]), ("drain", "admin", hashes[2]),
+        ("undrain", "admin", hashes[2])]
+    (process,) = [p for p in env.stack.processes if p.name == "extproc"]
+    log = tmp_path / "decisions.log"
+    log.write_text(process.output())
+    files = []
+    for n, version in enumerate(versions):
+        files.append(tmp_path / f"v{n}.yaml")
+        files[-1].write_bytes(version)
+    out = tmp_path / "verify.json"
+    command = [sys.executable, "-m", "extproc", "simulate", "--verify", "--trace", str(log),
+               "--json", str(out)]
+    # A policy left out: refused, the span it decided named.
+    missing = subprocess.run([*command, "--policy", str(files[0]), "--policy", str(files[2])],
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2
+    assert f"policy {hashes[1][:12]}: 2 attempts" in missing.stderr
+    result = subprocess.run([*command, *(a for f in files for a in ("--policy", str(f)))],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    verify = json.loads(out.read_text())["verify"]
+    assert verify["requests"] == 8
+    assert verify["outcome_agreement"] == 1.0, verify["disagreements"]
+    assert [span["policy"] for span in verify["spans"]] == hashes
+    assert verify["actions"] == {"drain": 1, "reload": 2, "undrain": 1}

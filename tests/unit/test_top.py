@@ -569,3 +569,15 @@ def test_a_self_sized_limit_shows_where_it_is_why_it_moved_and_what_is_wrong() -
     assert "! no fresh engine signal: the limit holds, then decays to min" in frame
     assert "! target unreachable: tpot_p95 80ms > target 1ms at min 4" in frame
     assert "auto" not in render(realistic(), 140, 60).split("capacity", 1)[1].split("\n", 1)[0]
+
+
+def test_refusals_no_single_lane_owns_have_a_row_of_their_own() -> None:
+    previous = realistic()
+    previous.any_lane_rejections["tenant_request_budget"] = 40
+    state = realistic()
+    state.any_lane_rejections.update({"tenant_request_budget": 52, "overloaded": 3})
+    frame = render(state, 120, 60, previous)
+    assert re.search(r"^  \* \(any lane\) +tenant_request_budget 52 \(\+12\)  overloaded 3 \(\+3\)$", frame,
+                     re.MULTILINE)
+    state.any_lane_rejections.clear()
+    assert "any lane" not in render(state, 120, 60)

@@ -61,7 +61,14 @@ class PauseResponse(_message.Message):
     def __init__(self, lane: _Optional[str] = ..., paused: _Optional[bool] = ...) -> None: ...
 
 class State(_message.Message):
-    __slots__ = ("version", "time", "uptime_s", "draining", "shadow", "policy", "capacity", "window_s", "lanes", "signals", "saturation", "tenants")
+    __slots__ = ("version", "time", "uptime_s", "draining", "shadow", "policy", "capacity", "window_s", "lanes", "signals", "saturation", "tenants", "any_lane_rejections", "any_lane_reject_per_s")
+    class AnyLaneRejectionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +81,8 @@ class State(_message.Message):
     SIGNALS_FIELD_NUMBER: _ClassVar[int]
     SATURATION_FIELD_NUMBER: _ClassVar[int]
     TENANTS_FIELD_NUMBER: _ClassVar[int]
+    ANY_LANE_REJECTIONS_FIELD_NUMBER: _ClassVar[int]
+    ANY_LANE_REJECT_PER_S_FIELD_NUMBER: _ClassVar[int]
     version: int
     time: float
     uptime_s: float
@@ -86,7 +95,9 @@ class State(_message.Message):
     signals: _containers.RepeatedCompositeFieldContainer[Signal]
     saturation: _containers.RepeatedCompositeFieldContainer[SaturationRule]
     tenants: _containers.RepeatedCompositeFieldContainer[Tenant]
-    def __init__(self, version: _Optional[int] = ..., time: _Optional[float] = ..., uptime_s: _Optional[float] = ..., draining: _Optional[bool] = ..., shadow: _Optional[bool] = ..., policy: _Optional[_Union[Policy, _Mapping]] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., window_s: _Optional[float] = ..., lanes: _Optional[_Iterable[_Union[Lane, _Mapping]]] = ..., signals: _Optional[_Iterable[_Union[Signal, _Mapping]]] = ..., saturation: _Optional[_Iterable[_Union[SaturationRule, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[Tenant, _Mapping]]] = ...) -> None: ...
+    any_lane_rejections: _containers.ScalarMap[str, int]
+    any_lane_reject_per_s: float
+    def __init__(self, version: _Optional[int] = ..., time: _Optional[float] = ..., uptime_s: _Optional[float] = ..., draining: _Optional[bool] = ..., shadow: _Optional[bool] = ..., policy: _Optional[_Union[Policy, _Mapping]] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., window_s: _Optional[float] = ..., lanes: _Optional[_Iterable[_Union[Lane, _Mapping]]] = ..., signals: _Optional[_Iterable[_Union[Signal, _Mapping]]] = ..., saturation: _Optional[_Iterable[_Union[SaturationRule, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[Tenant, _Mapping]]] = ..., any_lane_rejections: _Optional[_Mapping[str, int]] = ..., any_lane_reject_per_s: _Optional[float] = ...) -> None: ...
 
 class Policy(_message.Message):
     __slots__ = ("file", "sha256", "loaded_at", "reloads_ok", "reloads_failed", "last_error", "stale_since")
