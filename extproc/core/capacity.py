@@ -27,9 +27,9 @@ token (TPOT) p95.
   not stop it, a few that stay are trimmed without ending it, and a latency percentile over target
   only pauses it for the percentile's window (it is mostly the burst of held requests the last
   doubling let in). A queue the engines cannot clear (four times the target) ends it, and where
-  they had too many is then what they ran, not the doubling's overshoot. After that, as TCP CUBIC: quickly (+5 %, doubling per growth up to +25 %)
-  back up to 95 % of where the last fall began, then +1 % (at least one slot) per interval through
-  ±5 % of it, and past that, where nothing said "too many" yet, quickly again. A limit that nothing
+  they had too many is then what they ran, not the doubling's overshoot. After that, as TCP CUBIC:
+  quickly (+5 %, doubling per growth up to +25 %) back up to 95 % of where the last fall began,
+  then +1 % (at least one slot) per interval through ±5 % of it, and past that, where nothing said "too many" yet, quickly again. A limit that nothing
   presses against never drifts up; the saw-tooth of a plain additive increase is damped where it
   used to break.
 * **Stale or missing signals.** With no fresh signal the last limit holds for ``stale_hold``,
@@ -174,7 +174,8 @@ class AutoLimit:
         # A start moves on every fresh reading while requests are held back, not once per interval:
         # each second at a small limit refuses what a static limit would run.
         newest = self._newest(readings)
-        quick = self._slow_start and held and newest is not None and (self._seen is None or newest > self._seen)
+        news = newest is not None and (self._seen is None or newest > self._seen)
+        quick = self._slow_start and held and news
         if self._last_tick is not None and now - self._last_tick < self.auto.interval and not quick:
             return None
         self._last_tick, self._seen = now, newest
@@ -244,7 +245,8 @@ class AutoLimit:
         return self._moved(before, now, "engine_queue",
                            f"the engines queue {waiting:g} requests (target {target.queue})")
 
-    def _latency_cut(self, fresh: Mapping[Role, float], inflight: int, now: float) -> tuple[bool, Move | None]:
+    def _latency_cut(self, fresh: Mapping[Role, float], inflight: int, now: float
+                     ) -> tuple[bool, Move | None]:
         """Whether a percentile is over its target, and the cut it makes (None: not yet, or at min)."""
         auto, before, was = self.auto, self.limit, self._value
         over: list[tuple[float, Reason, str]] = []

@@ -531,7 +531,7 @@ def test_a_start_doubles_on_every_fresh_reading_while_requests_are_held_back() -
     assert a.limit == 64
 
 
-def test_a_start_goes_on_through_a_few_requests_caught_between_engine_steps_and_ends_at_a_real_queue() -> None:
+def test_a_start_goes_on_through_a_few_waiting_between_engine_steps_and_ends_at_a_real_queue() -> None:
     a = auto_of(running_policy(start=16))
     assert a.update(engines(0, 16), 16, True, 0) is not None
     assert a.limit == 32
@@ -543,14 +543,16 @@ def test_a_start_goes_on_through_a_few_requests_caught_between_engine_steps_and_
     # (at a high arrival rate a few are as often requests between steps; the next doubling tells).
     assert a.update(engines(3, 29, waiting=3), 32, True, 3) is None
     move = a.update(engines(4, 29, waiting=3), 32, True, 4)
-    assert move is not None and move.reason == "engine_queue"
+    assert move is not None
+    assert move.reason == "engine_queue"
     assert a.limit == 61
     assert a.update(engines(5, 61), 61, True, 5) is not None
     assert a.limit == 122
     # A queue the engines cannot clear (four times over) ends it: down to what they run, and that
     # is where they had too many (not the 122 the doubling reached).
     move = a.update(engines(6, 100, waiting=22), 122, True, 6)
-    assert move is not None and move.reason == "engine_queue"
+    assert move is not None
+    assert move.reason == "engine_queue"
     assert a.limit == 100
     assert a.update(engines(8, 100), 100, True, 8) is not None
     assert a.limit == 101  # one slot at a time through what ran, no longer doubling
@@ -562,7 +564,8 @@ def test_a_latency_cut_during_the_start_pauses_it_for_the_window_then_it_doubles
     assert a.limit == 128
     # The burst the doubling let in shows as a TTFT p95 of 2 s: cut in proportion (at most halved).
     move = a.update(engines(1, 128, ttft=2.0), 128, True, 1)
-    assert move is not None and move.reason == "ttft"
+    assert move is not None
+    assert move.reason == "ttft"
     assert a.limit == 64
     # The percentile still holds the burst: no growth, and no second cut within its window.
     assert a.update(engines(2, 64, ttft=1.5), 64, True, 2) is None
