@@ -29,9 +29,9 @@ token (TPOT) p95.
   doubling let in). A queue the engines cannot clear (four times the target) ends it, and where
   they had too many is then what they ran, not the doubling's overshoot. After that, as TCP CUBIC:
   quickly (+5 %, doubling per growth up to +25 %) back up to 95 % of where the last fall began,
-  then +1 % (at least one slot) per interval through ±5 % of it, and past that, where nothing said "too many" yet, quickly again. A limit that nothing
-  presses against never drifts up; the saw-tooth of a plain additive increase is damped where it
-  used to break.
+  then +1 % (at least one slot) per interval through ±5 % of it, and past that, where nothing said
+  "too many" yet, quickly again. A limit that nothing presses against never drifts up; the
+  saw-tooth of a plain additive increase is damped where it used to break.
 * **Stale or missing signals.** With no fresh signal the last limit holds for ``stale_hold``,
   then decays by 10 % per interval to ``min``; the state says so.
 * **Unreachable targets** (a TPOT of 1 ms): the limit stops at ``min`` and the state says the
