@@ -431,11 +431,14 @@ def test_a_body_extproc_cannot_read_is_refused_when_the_policy_says_so(make_env:
 
 def test_a_token_limit_the_model_servers_refuse_is_a_400(env: Env) -> None:
     before = env.metric("extproc_intake_rejections_total", reason="bad_request")
-    r = post(env, "/interactive/x", chat(max_tokens="abc"))  # type: ignore[arg-type]
+    r = post(env, "/interactive/x", chat(max_tokens="abc"), headers={"x-request-id": "bad-limit-1"})  # type: ignore[arg-type]
     assert r.status_code == 400
     assert r.json()["error"]["code"] == "bad_request"
     assert "max_tokens 'abc'" in r.json()["error"]["message"]
     assert env.metric("extproc_intake_rejections_total", reason="bad_request") == before + 1
+    record = decision_of(env, "bad-limit-1")
+    assert (record["outcome"], record["reason"]) == ("rejected", "bad_request")
+    assert record["body"].startswith("max_tokens 'abc'")
     # Written as the servers' lax reading takes them: "2000" and 2000.0 are 2000 (10 + 2000 × 1 ms).
     for written in ("2000", 2000.0):
         seen = post(env, "/interactive/x", chat(max_tokens=written)).json()["headers"]  # type: ignore[arg-type]
