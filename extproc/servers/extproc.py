@@ -559,8 +559,7 @@ class _Request:
             fields["shadow"] = self.shadow.value
             fields["shadow_reason"] = self.reason.value if self.reason else None
         if self.body is not None and (self.body.note or self.body.invalid):
-            # Why the body was read in part, not at all, or refused for its token limit.
-            fields["body"] = self.body.note or self.body.invalid
+            fields["body"] = self.body.note or self.body.invalid  # (read in part, not at all, or refused)
         if self.remove:
             # Client-sent x-extproc-* headers extproc had to drop itself: a gateway that strips them
             # first (the shipped configs do) never lets one through.

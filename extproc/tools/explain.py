@@ -592,35 +592,40 @@ def _verdict(result: ScenarioResult, lane: Lane) -> str:
     return text
 
 
+def _body_lines(expl: Explanation) -> list[str]:
+    """What was read of the body, and why it was read or not."""
+    r, seen = expl.request, expl.intake
+    if r.body is None or not r.body:
+        return ["body      none"]
+    if not seen.body_read:
+        return [f"body      {len(r.body)} bytes, {seen.body_why}"]
+    b = seen.body
+    why = f"          why read: {seen.body_why}"
+    if b.unreadable:
+        choice = expl.policy.estimation.unreadable_body
+        then = ("so it is sized as the largest job" if choice == "estimate"
+                else "so it is refused (415 unsupported_encoding)")
+        return [f"body      {len(r.body)} bytes, cannot be read ({b.note}): "
+                f"estimation.unreadable_body is {choice}, {then}", why]
+    got = [f"model {b.model}" if b.model is not None else "no model",
+           f"max_tokens {b.max_tokens}" if b.max_tokens is not None else "no max_tokens",
+           f"{b.prompt_tokens} prompt token ids" if b.prompt_tokens is not None
+           else f"{b.prompt_chars} prompt chars"]
+    note = f" ({b.note})" if b.note else ""
+    lines = [f"body      {len(r.body)} bytes, read{note}: {', '.join(got)}"]
+    if b.invalid:
+        lines.append(f"          the model servers refuse it ({b.invalid}), and so does extproc: "
+                     "400 bad_request")
+    return [*lines, why]
+
+
 def render(expl: Explanation) -> str:
     """Plain text, in the order a request meets the policy."""
     r, seen, view, est = expl.request, expl.intake, expl.classification, expl.estimate
     lines = [f"policy    {expl.source}" if expl.source else "policy    (given)",
              f"request   {r.method} {r.path}"]
     lines += [f"          {k}: {v}" for k, v in r.headers.items()]
-    if r.body is None or not r.body:
-        lines.append("body      none")
-    elif seen.body_read and seen.body.unreadable:
-        choice = expl.policy.estimation.unreadable_body
-        then = ("so it is sized as the largest job" if choice == "estimate"
-                else "so it is refused (415 unsupported_encoding)")
-        lines.append(f"body      {len(r.body)} bytes, cannot be read ({seen.body.note}): "
-                     f"estimation.unreadable_body is {choice}, {then}")
-        lines.append(f"          why read: {seen.body_why}")
-    elif seen.body_read:
-        b = seen.body
-        got = [f"model {b.model}" if b.model is not None else "no model",
-               f"max_tokens {b.max_tokens}" if b.max_tokens is not None else "no max_tokens",
-               f"{b.prompt_tokens} prompt token ids" if b.prompt_tokens is not None
-               else f"{b.prompt_chars} prompt chars"]
-        note = f" ({b.note})" if b.note else ""
-        lines.append(f"body      {len(r.body)} bytes, read{note}: {', '.join(got)}")
-        if b.invalid:
-            lines.append(f"          the model servers refuse it ({b.invalid}), and so does extproc: "
-                         f"400 bad_request")
-        lines.append(f"          why read: {seen.body_why}")
-    else:
-        lines.append(f"body      {len(r.body)} bytes, {seen.body_why}")
+    lines += _body_lines(expl)
 
     lines += ["", f"classification → lane {view.lane}, tenant {view.tenant}"]
     if view.lane_header:
