@@ -260,8 +260,9 @@ class Metrics:
         )
         self.intake_rejections = Counter(
             "extproc_intake_rejections", "Requests refused before classification, by reason (bad_request: a "
-            "header classification reads came twice; body_timeout; slow_bodies; overloaded: reached "
-            "extproc too late to be decided).", ["reason"],
+            "header classification reads came twice, or a token limit the model servers refuse; "
+            "body_timeout; slow_bodies; unsupported_encoding: a body extproc cannot read, refused by "
+            "policy; overloaded: reached extproc too late to be decided).", ["reason"],
             registry=registry,
         )
         self.slots_reclaimed = Counter(

@@ -7,22 +7,41 @@ A complete body is parsed as JSON; a truncated prefix is scanned for the few
 fields that matter (``model``, ``max_tokens``), and its prompt size is taken
 from the declared content length.
 
+The token limit is read the way the model servers read it, because what they
+generate is what the estimate must size: their request models (pydantic, lax mode)
+take ``"2000"``, ``2000.0`` and ``true`` as whole numbers, and SGLang and vLLM
+alike take ``max_completion_tokens or max_tokens`` (a 0 falls back to the other).
+A limit they refuse (``"abc"``, ``12.5``, NaN, a negative number) is said in
+``invalid``: they answer such a request 400, and so does extproc (``Intake.refusal``).
+
 A body sent with ``Content-Encoding: gzip`` or ``deflate`` is inflated first, never
 to more than the policy's ``max_body_bytes`` (a 1 KB zip bomb inflates to at most
-that, then counts as cut short); other encodings are not read, and say so.
+that, then counts as cut short). Any other encoding, stacked encodings, or bytes
+that do not decode as their encoding says are ``unreadable``: never a cheap
+request, since a backend that ignores request encodings would serve them in full
+(the policy's ``estimation.unreadable_body`` says what happens to them).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import reprlib
 import zlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
+
 _MODEL = re.compile(rb'"model"\s*:\s*"((?:[^"\\]|\\.){1,256})"')
-_MAX_TOKENS = re.compile(rb'"(?:max_tokens|max_completion_tokens|max_new_tokens)"\s*:\s*(\d{1,9})')
+#: A token limit in a cut body: a short JSON string, number or literal (read as a whole body's would be).
+#: (No group for the key: a capture there makes the scan of a huge prefix a fifth slower.)
+_LIMIT = re.compile(rb'"(?:max_tokens|max_completion_tokens|max_new_tokens)"\s*:\s*'
+                    rb'("(?:[^"\\]|\\.){0,64}"|-?[0-9][0-9.eE+-]{0,31}|true|false|null)')
+_LIMIT_KEYS = ("max_completion_tokens", "max_tokens", "max_new_tokens")
+#: The model servers' own reading of a whole number (their request models are pydantic, lax mode).
+_LAX_INT: TypeAdapter[int] = TypeAdapter(int)
 #: Overhead of the JSON envelope that is not prompt text (keys, quotes, roles).
 _ENVELOPE_BYTES = 64
 
@@ -43,6 +62,11 @@ class BodyFacts:
     """The client asked for the usage event itself (``stream_options.include_usage`` true)."""
     stream_options: bool = False
     """The body has a ``stream_options`` key (whatever its value, however its name was escaped)."""
+    unreadable: bool = False
+    """The body could not be decoded (``note`` says why): it is sized as the largest job the policy
+    expects, or refused, never taken for a small one."""
+    invalid: str = ""
+    """Why the model servers refuse the body's token limit ("" when they do not; only a whole body)."""
 
 
 def _text_len(value: Any) -> int:
@@ -74,14 +98,38 @@ def lax_true(value: object) -> bool:
     return isinstance(value, str) and value.strip().lower() in _TRUE
 
 
+def _token_limit(key: str, value: object) -> tuple[int | None, str]:
+    """A body's token limit ``key`` as the model servers read ``value``: the number (None: not given,
+    or refused) and why they refuse it ("" when they do not)."""
+    if value is None:
+        return None, ""
+    if type(value) is int:
+        number = value
+    else:
+        try:
+            number = _LAX_INT.validate_python(value)
+        except ValidationError as exc:
+            return None, f"{key} {reprlib.repr(value)}: {exc.errors()[0]['msg']}"
+    if number < 0:
+        return None, f"{key} {reprlib.repr(number)}: must not be negative"
+    return number, ""
+
+
+def _limit(doc: Mapping[str, object]) -> tuple[int | None, str]:
+    """The output limit the model servers take from a body, and why they refuse it ("" when they do
+    not): ``max_completion_tokens or max_tokens``, else ``max_new_tokens`` (no field of theirs: read
+    when it is a number, never a reason to refuse)."""
+    completion, wrong = _token_limit("max_completion_tokens", doc.get("max_completion_tokens"))
+    tokens, wrong_too = _token_limit("max_tokens", doc.get("max_tokens"))
+    chosen = completion or tokens
+    if chosen is None:
+        chosen = _token_limit("max_new_tokens", doc.get("max_new_tokens"))[0]
+    return chosen, wrong or wrong_too
+
+
 def _from_json(doc: dict[str, Any]) -> BodyFacts:
     model = doc.get("model")
-    max_tokens: int | None = None
-    for key in ("max_completion_tokens", "max_tokens", "max_new_tokens"):
-        value = doc.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-            max_tokens = value
-            break
+    max_tokens, invalid = _limit(doc)
     prompt_tokens: int | None = None
     chars = 0
     messages = doc.get("messages")
@@ -101,6 +149,7 @@ def _from_json(doc: dict[str, Any]) -> BodyFacts:
         stream=lax_true(doc.get("stream")),
         usage_asked=isinstance(options, dict) and lax_true(options.get("include_usage")),
         stream_options="stream_options" in doc,
+        invalid=invalid,
     )
 
 
@@ -130,17 +179,16 @@ def read_body(prefix: bytes, complete: bool, content_length: int | None = None, 
     """
     if encoding and encoding != "identity":
         if encoding not in _WBITS:
-            return BodyFacts(prompt_chars=max(0, (content_length or len(prefix)) - _ENVELOPE_BYTES),
-                             note=f"body is {encoding[:32]}-encoded; not read")
+            return _unreadable(prefix, content_length, f"content-encoding {encoding[:64]!r} is not one "
+                                                       f"extproc decodes")
         inflated = _inflate(prefix, encoding, limit)
         if inflated is None:
-            return BodyFacts(prompt_chars=len(prefix), note=f"body is not valid {encoding}")
+            return _unreadable(prefix, content_length, f"body is not valid {encoding}")
         plain, whole = inflated
         facts = read_body(plain, complete and whole)
         if complete and whole:
             return facts
-        return BodyFacts(facts.model, facts.max_tokens, facts.prompt_chars, facts.prompt_tokens,
-                         f"{encoding} body read in part")
+        return replace(facts, note=f"{encoding} body read in part")
     if complete:
         try:
             doc = json.loads(prefix)
@@ -150,7 +198,6 @@ def read_body(prefix: bytes, complete: bool, content_length: int | None = None, 
             return BodyFacts(prompt_chars=len(prefix), note="body is not a JSON object")
         return _from_json(doc)
     model_match = _MODEL.search(prefix)
-    tokens_match = _MAX_TOKENS.search(prefix)
     model: str | None = None
     if model_match is not None:
         try:
@@ -160,10 +207,37 @@ def read_body(prefix: bytes, complete: bool, content_length: int | None = None, 
     total = content_length if content_length is not None else len(prefix)
     return BodyFacts(
         model=model,
-        max_tokens=int(tokens_match.group(1)) if tokens_match else None,
+        # (A limit the servers would refuse is not refused here: a match in a cut body may be a
+        # nested key's, and the rest of the body is unknown.)
+        max_tokens=_limit(_limits_in(prefix))[0],
         prompt_chars=max(0, total - _ENVELOPE_BYTES),
         note="body read in part",
     )
+
+
+def _unreadable(data: bytes, content_length: int | None, why: str) -> BodyFacts:
+    """A body that cannot be decoded: its prompt sized from its length as sent (never less than what
+    came), its output left to the policy (``estimation.unreadable_body``)."""
+    size = max(content_length or 0, len(data))
+    return BodyFacts(prompt_chars=max(0, size - _ENVELOPE_BYTES), note=why, unreadable=True)
+
+
+def _limits_in(prefix: bytes) -> dict[str, object]:
+    """The first value of each token limit key in a cut body, in one pass (a value that is not JSON,
+    such as a number cut short, counts as not given)."""
+    found: dict[str, object] = {}
+    for match in _LIMIT.finditer(prefix):
+        text = match.group()
+        key = text[1:text.index(b'"', 1)].decode()
+        if key in found:
+            continue
+        try:
+            found[key] = json.loads(match.group(1))
+        except ValueError:
+            found[key] = None
+        if len(found) == len(_LIMIT_KEYS):
+            break
+    return found
 
 
 def read_request_body(chunk: bytes, end_of_stream: bool, headers: Mapping[str, str], limit: int) -> BodyFacts:
@@ -176,6 +250,8 @@ def read_request_body(chunk: bytes, end_of_stream: bool, headers: Mapping[str, s
         content_length: int | None = int(headers.get("content-length", ""))
     except ValueError:
         content_length = None
+    if content_length is not None and not 0 <= content_length < 1 << 63:
+        content_length = None  # (no proxy passes it on; a 400-digit one would overflow the estimate)
     encoding = headers.get("content-encoding", "").strip().lower() or None
     complete = end_of_stream and len(chunk) <= limit
     return read_body(chunk[:limit], complete, content_length, encoding=encoding, limit=limit)

@@ -48,11 +48,16 @@ class Reason(StrEnum):
     RETRY_BUDGET = "retry_budget"
     """A retry beyond the retry budget: retries may only be a set share of admitted work."""
     BAD_REQUEST = "bad_request"
-    """The request cannot be classified as sent (a header classification reads is repeated)."""
+    """The request cannot be read as sent: a header classification reads is repeated, or its body has
+    a token limit the model servers refuse (not a whole number, or negative)."""
     BODY_TIMEOUT = "body_timeout"
     """The request announced a body and did not send it in time."""
     SLOW_BODIES = "slow_bodies"
     """The client already holds too many requests whose bodies are late."""
+    UNSUPPORTED_ENCODING = "unsupported_encoding"
+    """Its body cannot be read (a Content-Encoding extproc does not decode, stacked encodings, or bytes
+    that are not what their encoding says), and the policy refuses such bodies
+    (``estimation.unreadable_body: refuse``)."""
     OVERLOADED = "overloaded"
     """extproc itself is beyond its decision rate: the request reached it too late to be decided."""
     UNAVAILABLE = "unavailable"
@@ -94,17 +99,20 @@ _MESSAGES = {
     Reason.DRAINING: "This admission controller is shutting down.",
     Reason.SATURATED: "The inference backend is saturated; this lane is shed until it recovers.",
     Reason.RETRY_BUDGET: "Too many retries: the retry budget is spent. Retrying now cannot help.",
-    Reason.BAD_REQUEST: "The request cannot be classified as sent.",
+    Reason.BAD_REQUEST: "The request cannot be read as sent.",
     Reason.BODY_TIMEOUT: "The request body did not arrive in time.",
     Reason.SLOW_BODIES: "Too many of this client's requests are waiting for their bodies.",
+    Reason.UNSUPPORTED_ENCODING: "The request body cannot be read: send it unencoded, or gzip or deflate "
+                                 "encoded, once.",
     Reason.OVERLOADED: "The admission controller is overloaded; the request was not decided.",
     Reason.UNAVAILABLE: "The admission controller is unavailable; no new requests are admitted.",
     Reason.TENANT_REQUESTS: "This tenant's request budget is spent.",
     Reason.TENANT_TOKENS: "This tenant's token budget is spent.",
 }
-_NO_RETRY = frozenset({Reason.LANE_CLOSED, Reason.SATURATED, Reason.RETRY_BUDGET, Reason.BAD_REQUEST})
+_NO_RETRY = frozenset({Reason.LANE_CLOSED, Reason.SATURATED, Reason.RETRY_BUDGET, Reason.BAD_REQUEST,
+                       Reason.UNSUPPORTED_ENCODING})
 _STATUS = {Reason.DRAINING: 503, Reason.OVERLOADED: 503, Reason.UNAVAILABLE: 503, Reason.BAD_REQUEST: 400,
-           Reason.BODY_TIMEOUT: 408}
+           Reason.BODY_TIMEOUT: 408, Reason.UNSUPPORTED_ENCODING: 415}
 _TYPES = {429: "rate_limit_exceeded", 503: "service_unavailable"}
 
 

@@ -2,7 +2,8 @@
 
 How this works: a request arrives as method, path, headers and perhaps a first body chunk;
 it leaves as a classified request — lane, tenant, rule, the job the estimator sizes, whether
-it is a retry — or as a refusal (a header classification reads came twice). The live
+it is a retry — or as a refusal (a header classification reads came twice; a body the
+model servers would refuse, or one extproc cannot read when the policy refuses those). The live
 ext_proc handler calls :meth:`Intake.head` on the request headers and :meth:`Intake.arrival`
 once it has the body (or knows it will not read one); ``policy explain`` and the simulator
 call :meth:`Intake.request` in one go; the edge, which never sees a body, asks
@@ -13,6 +14,9 @@ the answers cannot drift apart:
 * a header the policy trusts may come once: twice is a refusal, never a merged value;
 * the model comes from the policy's model header, else from the body;
 * the body is read only when the policy needs it (and is there), within ``max_body_bytes``;
+* a body whose token limit the model servers refuse is refused (400 bad_request), as they would;
+  one extproc cannot decode is sized as the largest job the policy expects, or refused (415
+  unsupported_encoding), as ``estimation.unreadable_body`` says (:meth:`Intake.refusal`);
 * a request whose retry header (``x-stainless-retry-count``) is above 0 is a retry.
 """
 
@@ -23,6 +27,7 @@ from dataclasses import dataclass, replace
 
 from extproc.core.body import BodyFacts, read_request_body
 from extproc.core.classify import HEADER_PREFIX, Classification, Classifier, RequestFacts
+from extproc.core.decision import Reason
 from extproc.core.estimate import Estimator, Job
 from extproc.core.overload import ARRIVAL_HEADER
 from extproc.core.retry_budget import is_retry
@@ -58,6 +63,14 @@ class Head:
     """Whether the body is to be read before deciding (the policy needs it and one is coming)."""
     repeated: str | None = None
     """A trusted header that came more than once: the request is refused, never classified."""
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A request refused at its intake, before it is classified: why, and the words for its client."""
+
+    reason: Reason
+    detail: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +147,16 @@ class Intake:
         """What the first body chunk says, read within the policy's ``max_body_bytes``."""
         return read_request_body(chunk, end_of_stream, head.headers, self.policy.estimation.max_body_bytes)
 
+    def refusal(self, body: BodyFacts) -> Refusal | None:
+        """What a read body says of its request before it is classified: refused when it cannot be
+        read and the policy refuses such bodies (415), or when the model servers would refuse its
+        token limit (400); None: classify and decide it."""
+        if body.unreadable and self.policy.estimation.unreadable_body == "refuse":
+            return Refusal(Reason.UNSUPPORTED_ENCODING, f"{body.note[:1].upper()}{body.note[1:]}.")
+        if body.invalid:
+            return Refusal(Reason.BAD_REQUEST, f"{body.invalid}.")
+        return None
+
     def arrival(self, head: Head, body: BodyFacts | None = None) -> Arrival:
         """Classify and size the request; ``body`` is what its body said (None: not read)."""
         facts_body = body or _NO_BODY
@@ -142,7 +165,7 @@ class Intake:
                              request_id=head.request_id)
         classification = self.classifier.classify(facts)
         job = self.estimator.job(model, facts_body.prompt_chars, facts_body.prompt_tokens,
-                                 facts_body.max_tokens)
+                                 facts_body.max_tokens, unreadable=facts_body.unreadable)
         retry = self._retry_header is not None and is_retry(head.headers, self._retry_header)
         return Arrival(head, facts, facts_body, body is not None, classification, job, retry)
 

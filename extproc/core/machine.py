@@ -5,10 +5,11 @@ taken by one object that does no I/O and reads no clock. Events go in, each with
 ``now``; decisions come out, and a read-only view answers what the state is:
 
 * a request: :meth:`body_refusal` before its body is awaited (too many of its client's bodies
-  late), :meth:`body_timeout` once it did not come, :meth:`submit` once it is classified (the
-  one intake, :attr:`intake`) — a retry over the retry budget is refused, anything else is
-  admitted, queued or rejected by the scheduler — :meth:`admitted` once an admission is final,
-  :meth:`release` once it ended however it ended;
+  late), :meth:`body_timeout` once it did not come, :meth:`body_verdict` once it was read (a
+  body extproc cannot decode, or a token limit the model servers refuse), :meth:`submit` once it
+  is classified (the one intake, :attr:`intake`) — a retry over the retry budget is refused,
+  anything else is admitted, queued or rejected by the scheduler — :meth:`admitted` once an
+  admission is final, :meth:`release` once it ended however it ended;
 * the edge, which sees a request's arrival before ext_proc and its token usage after:
   :meth:`judge` (or :meth:`assess`, the store's answer, :meth:`conclude`), :meth:`shed`,
   :meth:`charge`;
@@ -33,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from extproc.core.admission import Scheduler
-from extproc.core.body import SlowBodies
+from extproc.core.body import BodyFacts, SlowBodies
 from extproc.core.budget import BucketVerdict, part, verdict
 from extproc.core.capacity import AutoLimit, Move, size
 from extproc.core.decision import Decision, Outcome, Reason, Ticket
@@ -51,7 +52,7 @@ from extproc.core.edge import (
     Shed,
 )
 from extproc.core.estimate import Job
-from extproc.core.intake import Intake
+from extproc.core.intake import Intake, Refusal
 from extproc.core.lanes import LaneView
 from extproc.core.retry_budget import SLOTS as RETRY_BUDGET_SLOTS
 from extproc.core.retry_budget import RetryBudget
@@ -60,7 +61,7 @@ from extproc.policy.ratelimit import RateLimit
 from extproc.policy.schema import Policy
 
 __all__ = ["REQUEST_ID", "RETRY_BUDGET_SLOTS", "UNLIMITED", "Assessment", "BucketVerdict", "BudgetAsk",
-           "Check", "Judgement", "LaneView", "Machine", "Shed", "Signalled", "Submitted"]
+           "Check", "Judgement", "LaneView", "Machine", "Refusal", "Shed", "Signalled", "Submitted"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +187,11 @@ class Machine:
         """The awaited body did not come within :attr:`body_timeout_s`: the request is refused."""
         self._slow.leave(client, key)
         return Reason.BODY_TIMEOUT
+
+    def body_verdict(self, body: BodyFacts) -> Refusal | None:
+        """The request's body was read: refused (UNSUPPORTED_ENCODING, BAD_REQUEST) before it takes a
+        ticket, or None (it is classified and submitted). See ``Intake.refusal``."""
+        return self.intake.refusal(body)
 
     def submit(self, lane: str, tenant: str, job: Job, now: float, *, retry: bool = False) -> Submitted:
         """Decide a new request; ``retry``: its client says it is a retry (it spends retry budget)."""

@@ -161,6 +161,16 @@ class Estimation(_Strict):
     beyond it new ones get 429 slow_bodies (0: no cap)."""
     chars_per_token: Annotated[float, Field(gt=0, le=64)] = 4.0
     default_max_tokens: Annotated[int, Field(ge=1, le=10_000_000)] = 256
+    """The output size of a request whose body gives no token limit (or is not read)."""
+    max_output_tokens: Annotated[int, Field(ge=1, le=10_000_000)] = 32768
+    """The largest output the estimate takes: a larger token limit in a body is sized at this (set it to
+    your models' longest output, their context length), and so is a body extproc cannot read."""
+    unreadable_body: Literal["estimate", "refuse"] = "estimate"
+    """A body extproc cannot read — a Content-Encoding it does not decode (it decodes gzip, x-gzip,
+    deflate and identity, one at a time), stacked encodings, or bytes that do not decode as their
+    encoding says — must not make a request cheaper: ``estimate`` sizes it as the largest job the
+    policy expects (``max_output_tokens``, its prompt from its size as sent, no model: the lane the
+    rules give a request without one); ``refuse`` answers 415 (reason unsupported_encoding)."""
     model_header: HeaderName | None = None
     default: ModelCost = Field(default_factory=ModelCost)
     models: dict[str, ModelCost] = Field(default_factory=dict)
@@ -173,6 +183,13 @@ class Estimation(_Strict):
     @classmethod
     def _lower(cls, value: str | None) -> str | None:
         return value.lower() if value else value
+
+    @model_validator(mode="after")
+    def _outputs(self) -> Estimation:
+        if self.default_max_tokens > self.max_output_tokens:
+            raise ValueError(f"default_max_tokens ({self.default_max_tokens}) must not exceed "
+                             f"max_output_tokens ({self.max_output_tokens}), the largest output estimated")
+        return self
 
 
 class Queueing(_Strict):

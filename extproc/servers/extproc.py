@@ -13,6 +13,10 @@ never a stall) and the decision waits for the body. The decision is then one of
 * reject — an ImmediateResponse (429 or 503) with ``retry-after``, the reason,
   and an OpenAI-style JSON error body.
 
+Before that, a request may be refused at its intake, with no ticket taken: 400 (a
+trusted header twice, a token limit the model servers refuse), 415 (a body it cannot
+decode, when the policy refuses those), 408 and 429 (bodies late).
+
 ``response_trailer_mode: SEND`` keeps the stream open until the HTTP request
 ends; the stream's end — normal, client reset, Envoy timeout — is the only
 reliable "finished" signal, so the slot is released in ``finally``, once.
@@ -409,6 +413,10 @@ class _Request:
             # Later chunks (not expected with BUFFERED_PARTIAL) pass untouched.
             return _BODY_PASSTHROUGH
         body = self.body = self.p.intake.read(head, message.body, message.end_of_stream)
+        refusal = self.p.controller.machine.body_verdict(body)
+        if refusal is not None:
+            # Before any ticket: no slot to give back.
+            return self.refuse(refusal.reason, refusal.detail)
         if body.stream and not body.usage_asked:
             self.raw_body = message.body
         return None
@@ -575,8 +583,8 @@ class _Request:
         if self.shadow is not None:
             fields["shadow"] = self.shadow.value
             fields["shadow_reason"] = self.reason.value if self.reason else None
-        if self.body is not None and self.body.note:
-            fields["body"] = self.body.note
+        if self.body is not None and (self.body.note or self.body.invalid):
+            fields["body"] = self.body.note or self.body.invalid  # (read in part, not at all, or refused)
         if self.remove:
             # Client-sent x-extproc-* headers extproc had to drop itself: a gateway that strips them
             # first (the shipped configs do) never lets one through.

@@ -5,7 +5,8 @@ How this works: the live service drives the machine (``core/machine.py``) with t
 offline tools drive it with this. A request is offered as the live path meets it: the edge (when the
 policy has one) judges its arrival descriptor first — the very entries the proxy's ratelimit filter
 would send (``Intake.descriptor``) — and, unless it sheds the request, the one intake classifies and
-sizes it (from its body, or from the sizes a trace or a log recorded) and the machine decides.
+sizes it (from its body, or from the sizes a trace or a log recorded) — or refuses it for its body,
+as the live path does (``Machine.body_verdict``) — and the machine decides.
 Decisions come out of every event, for the request offered and for others (a queued request
 admitted because a slot freed, one evicted, one past its deadline); each goes to the listener, which
 says when an admitted request ends (:meth:`Driver.finish_at`). Time moves only forward: :meth:`run`
@@ -25,7 +26,7 @@ from typing import Protocol
 from extproc.core.decision import Decision, Outcome, Ticket
 from extproc.core.estimate import Job
 from extproc.core.intake import Arrival
-from extproc.core.machine import Judgement, Machine, Shed, Submitted
+from extproc.core.machine import Judgement, Machine, Refusal, Shed, Submitted
 
 
 class Listener(Protocol):
@@ -66,9 +67,11 @@ class Answer:
     arrival: Arrival | None = None
     """The request as the intake saw it (None: shed at the edge)."""
     decision: Decision | None = None
-    """ext_proc's decision (None: shed at the edge)."""
+    """ext_proc's decision (None: shed at the edge, or refused at its intake)."""
     evicted: tuple[Decision, ...] = ()
     """Queued requests it pushed out."""
+    refusal: Refusal | None = None
+    """ext_proc refused it for its body before deciding (no ticket; the listener hears nothing)."""
 
 
 class Driver:
@@ -102,6 +105,9 @@ class Driver:
                                    output_tokens=offer.output_tokens)
         else:
             arrival = intake.request(offer.method, offer.path, offer.headers, offer.body)
+            refusal = machine.body_verdict(arrival.body) if arrival.body_read else None
+            if refusal is not None:
+                return Answer(arrival.lane, arrival.tenant, judgement, arrival=arrival, refusal=refusal)
         submitted = machine.submit(arrival.lane, arrival.tenant, arrival.job, now, retry=arrival.retry)
         decision = submitted.decision
         if decided is not None:

@@ -34,7 +34,7 @@ from extproc.core.decision import Outcome, Reason
 from extproc.core.estimate import Estimator, Job
 from extproc.core.machine import Machine
 from extproc.policy.loader import PolicyError, load_policy
-from extproc.policy.schema import Lane, Match, Policy
+from extproc.policy.schema import Estimation, Lane, Match, Policy
 from extproc.settings import positive_int
 from extproc.sim.driver import Offer
 from extproc.tools.scenario import (
@@ -366,30 +366,46 @@ def estimate(policy: Policy, seen: IntakeView, occupancy: float = 0.0) -> Estima
     config = policy.estimation
     estimator = Estimator(config)
     body = seen.body
-    job = estimator.job(seen.facts.model, body.prompt_chars, body.prompt_tokens, body.max_tokens)
-    model = job.model
-    if model is not None and model in config.models:
+    job = estimator.job(seen.facts.model, body.prompt_chars, body.prompt_tokens, body.max_tokens,
+                        unreadable=body.unreadable)
+    model = estimator.sized_as(job, occupancy)
+    cost = config.models.get(model or "", config.default)
+    if job.unread and job.model is None:
+        costs_from = (f"estimation.models.{model}" if model is not None else "estimation.default") \
+            + ", the costliest (the body cannot be read: no model known)"
+    elif model is not None and model in config.models:
         costs_from = f"estimation.models.{model}"
-        cost = config.models[model]
     else:
         costs_from = "estimation.default" + (f" ({model} has no entry in estimation.models)"
                                              if model is not None else " (no model known)")
-        cost = config.default
     if body.prompt_tokens is not None:
         prompt_from = "token ids in the body"
+    elif body.unreadable:
+        prompt_from = (f"the body's size as sent: {body.prompt_chars} chars / {config.chars_per_token:g} "
+                       f"chars per token")
     elif seen.body_read:
         prompt_from = f"{body.prompt_chars} chars / {config.chars_per_token:g} chars per token"
     else:
         prompt_from = "body not read" if seen.has_body else "no body"
-    output_from = ("max_tokens from the body" if body.max_tokens is not None
-                   else "estimation.default_max_tokens")
     return EstimateView(
-        job=job, costs_from=costs_from, prompt_from=prompt_from, output_from=output_from,
+        job=job, costs_from=costs_from, prompt_from=prompt_from, output_from=_output_from(config, body),
         occupancy=occupancy, slowdown=estimator.slowdown(occupancy), overhead_ms=cost.overhead_ms,
         prefill_ms_per_token=cost.prefill_ms_per_token,
         decode_ms_per_token=estimator.decode_ms_per_token(model),
         predicted_s=estimator.predict(job, occupancy),
     )
+
+
+def _output_from(config: Estimation, body: BodyFacts) -> str:
+    """Where the output size comes from, in words (``Estimator.job`` decides it)."""
+    if body.unreadable:
+        return ("estimation.max_output_tokens: the body cannot be read, so it is sized as the largest "
+                "job (estimation.unreadable_body: estimate)")
+    if body.max_tokens is None:
+        return "estimation.default_max_tokens"
+    if body.max_tokens > config.max_output_tokens:
+        return f"the body's {body.max_tokens} max_tokens, cut to estimation.max_output_tokens"
+    return "max_tokens from the body"
 
 
 # -- the whole explanation --------------------------------------------------------------------------
@@ -552,7 +568,11 @@ def _verdict(result: ScenarioResult, lane: Lane) -> str:
         reason = result.reason or Reason.QUEUE_FULL
         where = " at the edge" if result.at == "edge" else ""
         status = result.status or reason.http_status
-        text = f"REJECTED{where} {status} {reason}, Retry-After {result.retry_after} s"
+        text = f"REJECTED{where} {status} {reason}"
+        if result.detail is not None:
+            text += f" before it is classified: {result.detail}"
+        if result.retry_after is not None:
+            text += f", Retry-After {result.retry_after} s"
         if result.retry_after_ms is not None:
             text += f" (a return booked in {result.retry_after_ms} ms: retry-after-ms)"
         elif reason.retry_helps and not result.retry_allowed:
@@ -572,25 +592,40 @@ def _verdict(result: ScenarioResult, lane: Lane) -> str:
     return text
 
 
+def _body_lines(expl: Explanation) -> list[str]:
+    """What was read of the body, and why it was read or not."""
+    r, seen = expl.request, expl.intake
+    if r.body is None or not r.body:
+        return ["body      none"]
+    if not seen.body_read:
+        return [f"body      {len(r.body)} bytes, {seen.body_why}"]
+    b = seen.body
+    why = f"          why read: {seen.body_why}"
+    if b.unreadable:
+        choice = expl.policy.estimation.unreadable_body
+        then = ("so it is sized as the largest job" if choice == "estimate"
+                else "so it is refused (415 unsupported_encoding)")
+        return [f"body      {len(r.body)} bytes, cannot be read ({b.note}): "
+                f"estimation.unreadable_body is {choice}, {then}", why]
+    got = [f"model {b.model}" if b.model is not None else "no model",
+           f"max_tokens {b.max_tokens}" if b.max_tokens is not None else "no max_tokens",
+           f"{b.prompt_tokens} prompt token ids" if b.prompt_tokens is not None
+           else f"{b.prompt_chars} prompt chars"]
+    note = f" ({b.note})" if b.note else ""
+    lines = [f"body      {len(r.body)} bytes, read{note}: {', '.join(got)}"]
+    if b.invalid:
+        lines.append(f"          the model servers refuse it ({b.invalid}), and so does extproc: "
+                     "400 bad_request")
+    return [*lines, why]
+
+
 def render(expl: Explanation) -> str:
     """Plain text, in the order a request meets the policy."""
     r, seen, view, est = expl.request, expl.intake, expl.classification, expl.estimate
     lines = [f"policy    {expl.source}" if expl.source else "policy    (given)",
              f"request   {r.method} {r.path}"]
     lines += [f"          {k}: {v}" for k, v in r.headers.items()]
-    if r.body is None or not r.body:
-        lines.append("body      none")
-    elif seen.body_read:
-        b = seen.body
-        got = [f"model {b.model}" if b.model is not None else "no model",
-               f"max_tokens {b.max_tokens}" if b.max_tokens is not None else "no max_tokens",
-               f"{b.prompt_tokens} prompt token ids" if b.prompt_tokens is not None
-               else f"{b.prompt_chars} prompt chars"]
-        note = f" ({b.note})" if b.note else ""
-        lines.append(f"body      {len(r.body)} bytes, read{note}: {', '.join(got)}")
-        lines.append(f"          why read: {seen.body_why}")
-    else:
-        lines.append(f"body      {len(r.body)} bytes, {seen.body_why}")
+    lines += _body_lines(expl)
 
     lines += ["", f"classification → lane {view.lane}, tenant {view.tenant}"]
     if view.lane_header:
@@ -654,7 +689,8 @@ def as_json(expl: Explanation) -> dict[str, Any]:
         "stripped_headers": list(seen.stripped),
         "body": {"read": seen.body_read, "why": seen.body_why, "model": body.model,
                  "max_tokens": body.max_tokens, "prompt_chars": body.prompt_chars,
-                 "prompt_tokens": body.prompt_tokens, "note": body.note},
+                 "prompt_tokens": body.prompt_tokens, "note": body.note, "unreadable": body.unreadable,
+                 "invalid": body.invalid or None},
         "classification": {
             "lane": view.lane, "rule": view.rule, "rule_index": view.rule_index,
             "lane_header": view.lane_header,
@@ -687,7 +723,7 @@ def as_json(expl: Explanation) -> dict[str, Any]:
             "predicted_s": s.predicted_s, "borrowed": s.borrowed, "evicted": list(s.evicted),
             "then": s.then.value if s.then else None,
             "then_reason": s.then_reason.value if s.then_reason else None, "then_after_s": s.then_after_s,
-            "at": s.at, "status": s.status, "spent": list(s.spent),
+            "at": s.at, "status": s.status, "detail": s.detail, "spent": list(s.spent),
             "edge_shadow": s.edge_shadow.value if s.edge_shadow else None,
         } for s in expl.scenarios],
     }

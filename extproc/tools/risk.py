@@ -54,6 +54,7 @@ CHECKED = frozenset({
     "tenants.max_tenant_length",
     "estimation.read_body", "estimation.max_body_bytes", "estimation.body_timeout",
     "estimation.max_slow_bodies", "estimation.chars_per_token", "estimation.default_max_tokens",
+    "estimation.max_output_tokens", "estimation.unreadable_body",
     "estimation.model_header", "estimation.default.prefill_ms_per_token",
     "estimation.default.decode_ms_per_token", "estimation.default.overhead_ms",
     "estimation.models.prefill_ms_per_token", "estimation.models.decode_ms_per_token",
@@ -544,6 +545,13 @@ def _body(a: Policy, b: Policy) -> Iterator[Risk]:
         yield Risk("estimation.max_slow_bodies", f"estimation.max_slow_bodies {old.max_slow_bodies} → "
                    f"{new.max_slow_bodies}: a client's requests beyond that many waiting for their body are "
                    "refused (slow_bodies)")
+    if new.unreadable_body == "refuse" and (old.unreadable_body != "refuse" or not a.needs_body):
+        yield Risk("estimation.unreadable_body", f"estimation.unreadable_body {old.unreadable_body} → "
+                   "refuse: a body extproc cannot read (a Content-Encoding it does not decode, stacked "
+                   "encodings) is refused (415 unsupported_encoding)")
+    if new.max_output_tokens > old.max_output_tokens:
+        yield Risk("estimation.max_output_tokens", f"estimation.max_output_tokens {old.max_output_tokens} → "
+                   f"{new.max_output_tokens} (bodies it cannot read, and larger max_tokens): {_LONGER}")
 
 
 def _retry_after(a: Policy, b: Policy, renames: Renames) -> Iterator[Risk]:

@@ -93,6 +93,8 @@ class ScenarioResult:
     """The HTTP status of a refusal."""
     edge_shadow: Reason | None = None
     """The edge, in shadow mode, would have shed it for this reason (it let it through)."""
+    detail: str | None = None
+    """A refusal at the intake (for its body): what its answer tells the client."""
     spent: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -368,6 +370,9 @@ def run_scenario(policy: Policy, name: str, loads: Mapping[str, LaneLoad], offer
                        retry_after_ms=int(ms) if ms else None,
                        retry_allowed=_header(rejection.headers, "x-should-retry") is None,
                        at="edge", status=rejection.status)
+    if answer.refusal is not None:
+        reason = answer.refusal.reason
+        return replace(base, reason=reason, status=reason.http_status, detail=answer.refusal.detail)
     decision = answer.decision
     assert decision is not None
     sample = decision.ticket

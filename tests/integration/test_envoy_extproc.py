@@ -359,6 +359,92 @@ def test_policy_without_body_needs_decides_on_headers(make_env: Callable[..., En
     assert env.metric("extproc_stream_errors_total", kind="undecided") == 0
 
 
+#: A model rule (a readable body naming model m goes to interactive), and a largest job of 3000 tokens.
+UNREADABLE = POLICY.replace(
+    "    - {match: {path_prefix: /interactive}, lane: interactive}\n",
+    "    - {match: {models: [m]}, lane: interactive}\n",
+).replace("  default_max_tokens: 100\n", "  default_max_tokens: 100\n  max_output_tokens: 3000\n")
+
+
+def decision_of(env: Env, request_id: str) -> dict[str, Any]:
+    """The decision record extproc logged for the request with ``request_id`` (written when its
+    stream ends, just after the response)."""
+    extproc = next(p for p in env.stack.processes if p.name == "extproc")
+
+    def records() -> list[dict[str, Any]]:
+        lines = [line for line in extproc.output().splitlines()
+                 if line.startswith("{") and request_id in line]
+        return [r for r in map(json.loads, lines)
+                if r.get("event") == "decision" and r["request_id"] == request_id]
+
+    until(lambda: bool(records()), f"the decision record of {request_id}")
+    return records()[0]
+
+
+@pytest.mark.parametrize("encoding", ["identity, identity", "x-foo", "GZIP2", "identity;q=1"])
+def test_a_body_extproc_cannot_read_is_sized_as_the_largest_job(make_env: Callable[..., Env],
+                                                                  encoding: str) -> None:
+    env = make_env(UNREADABLE)
+    body = json.dumps(chat(max_tokens=10)).encode()
+    plain = httpx.post(env.url + "/x", content=body, timeout=10, headers={"content-type": "application/json"})
+    assert plain.status_code == 200
+    seen = plain.json()["headers"]
+    assert (seen["x-extproc-lane"], seen["x-extproc-predicted-ms"]) == ("interactive", "20")
+    r = httpx.post(env.url + "/x", content=body, timeout=10,
+                   headers={"content-type": "application/json", "content-encoding": encoding,
+                            "x-request-id": "unread-1"})
+    # The upstream ignores the encoding and serves it in full; extproc could not read the body, so it
+    # sized it as the largest job (10 ms + 3000 tokens × 1 ms), not the 10 tokens it asks nor the
+    # default 100, and classified it as a request naming no model (the default lane).
+    assert r.status_code == 200
+    assert r.json()["body_bytes"] == len(body)
+    seen = r.json()["headers"]
+    assert (seen["x-extproc-lane"], seen["x-extproc-predicted-ms"]) == ("best-effort", "3010")
+    record = decision_of(env, "unread-1")
+    assert (record["outcome"], record["output_tokens"], record["model"]) == ("admitted", 3000, None)
+    assert repr(encoding.lower()) in record["body"]
+
+
+def test_a_body_extproc_cannot_read_is_refused_when_the_policy_says_so(make_env: Callable[..., Env]) -> None:
+    env = make_env(UNREADABLE.replace("  max_output_tokens: 3000\n",
+                                      "  max_output_tokens: 3000\n  unreadable_body: refuse\n"))
+    before = httpx.get(env.upstream_url + "/stats", timeout=5).json()["total"]
+    r = httpx.post(env.url + "/x", content=json.dumps(chat()).encode(), timeout=10,
+                   headers={"content-type": "application/json", "content-encoding": "x-foo",
+                            "x-request-id": "refused-1"})
+    assert r.status_code == 415
+    assert (r.headers["x-extproc-reason"], r.headers["x-should-retry"]) == ("unsupported_encoding", "false")
+    assert "retry-after" not in r.headers
+    error = r.json()["error"]
+    assert (error["code"], error["type"]) == ("unsupported_encoding", "invalid_request_error")
+    assert "'x-foo'" in error["message"]
+    # Refused where body refusals are: the intake's count, the decision record, and no slot taken.
+    assert env.metric("extproc_intake_rejections_total", reason="unsupported_encoding") == 1
+    record = decision_of(env, "refused-1")
+    assert (record["outcome"], record["reason"]) == ("rejected", "unsupported_encoding")
+    assert "queue_ms" not in record
+    assert httpx.get(env.upstream_url + "/stats", timeout=5).json()["total"] == before
+    assert env.metric("inference_inflight_requests", lane="best-effort") == 0
+    # A readable body still goes through.
+    assert httpx.post(env.url + "/x", json=chat(), timeout=10).status_code == 200
+
+
+def test_a_token_limit_the_model_servers_refuse_is_a_400(env: Env) -> None:
+    before = env.metric("extproc_intake_rejections_total", reason="bad_request")
+    r = post(env, "/interactive/x", chat(max_tokens="abc"), headers={"x-request-id": "bad-limit-1"})  # type: ignore[arg-type]
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "bad_request"
+    assert "max_tokens 'abc'" in r.json()["error"]["message"]
+    assert env.metric("extproc_intake_rejections_total", reason="bad_request") == before + 1
+    record = decision_of(env, "bad-limit-1")
+    assert (record["outcome"], record["reason"]) == ("rejected", "bad_request")
+    assert record["body"].startswith("max_tokens 'abc'")
+    # Written as the servers' lax reading takes them: "2000" and 2000.0 are 2000 (10 + 2000 × 1 ms).
+    for written in ("2000", 2000.0):
+        seen = post(env, "/interactive/x", chat(max_tokens=written)).json()["headers"]  # type: ignore[arg-type]
+        assert seen["x-extproc-predicted-ms"] == "2010"
+
+
 LEARNING = POLICY.replace("learning_rate: 0", "learning_rate: 0.5")
 
 

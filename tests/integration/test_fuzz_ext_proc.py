@@ -129,7 +129,8 @@ header_names = st.one_of(
 )
 header_values = st.one_of(
     st.sampled_from([b"POST", b"GET", b"/v1/chat/completions", b"/b/x", b"//b/../a/%63", b"acme", b"-1",
-                     b"50", b"99999999999999999999", b"gzip", b"br", b"application/json", b"", b"1", b"1"]),
+                     b"50", b"99999999999999999999", b"gzip", b"br", b"identity, identity", b"x-foo",
+                     b"application/json", b"", b"1", b"1"]),
     st.binary(max_size=64),
     st.just(b"v" * 65_000),
     st.text(max_size=200).map(str.encode),
@@ -145,7 +146,9 @@ def headers(draw: st.DrawFn) -> pb.HttpHeaders:
 
 bodies = st.one_of(
     st.sampled_from([b'{"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}',
-                     b'{"max_tokens": 1e400}', b"[" * 5000, b"\x1f\x8b\x08\x00garbage", b"not json", b""]),
+                     b'{"max_tokens": 1e400}', b"[" * 5000, b"\x1f\x8b\x08\x00garbage", b"not json", b"",
+                     b'{"max_tokens": "abc"}', b'{"max_completion_tokens": 0, "max_tokens": "2000"}',
+                     b'{"max_tokens": 1' + b"0" * 400 + b"}"]),
     st.binary(max_size=2048),
     st.just(b"x" * 1_100_000),
 )
@@ -301,3 +304,29 @@ def test_the_edge_judged_in_the_stream_sheds_and_leaves_nothing(server: Server) 
     assert server.errors == []
     assert server.controller is not None
     assert (server.controller.machine.total_inflight, server.controller.machine.total_queued) == (0, 0)
+
+
+def test_a_refused_body_and_an_absurd_token_limit_leave_nothing(server: Server) -> None:
+    """A token limit the model servers refuse is a 400 before any ticket, even when the stream goes on
+    after it; one 400 digits long (JSON allows it) is sized at max_output_tokens, not an overflow."""
+    def request(body: bytes) -> list[pb.ProcessingRequest]:
+        pairs = [(":method", b"POST"), (":path", b"/v1/chat/completions")]
+        headers = HeaderMap(headers=[HeaderValue(key=k, raw_value=v) for k, v in pairs])
+        return [pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=headers, end_of_stream=False)),
+                pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))]
+
+    refused = Plan([*request(b'{"max_tokens": "abc"}'), *request(b"{}")[1:]], "close", 0, 0.0, False)
+    absurd = Plan(request(b'{"max_tokens": 1' + b"0" * 400 + b"}"), "close", 0, 0.0, False)
+    rejections = server.metrics.intake_rejections.labels("bad_request")
+    before = rejections._value.get()
+
+    async def scenario() -> None:
+        await play(server.port, refused)
+        await play(server.port, absurd)
+        assert server.controller is not None
+        await until_idle(server.controller, within=5)
+
+    server.run(scenario())
+    assert rejections._value.get() == before + 1
+    assert server.errors == []
+    assert server.metrics.stream_errors.labels("exception")._value.get() == 0

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import sys
 import time
 import tracemalloc
+import zlib
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+from pydantic import BaseModel, ValidationError
 
-from extproc.core.body import BodyFacts, read_body
+from extproc.core.body import BodyFacts, read_body, read_request_body
 
 
 def body(doc: Any) -> bytes:
@@ -68,29 +71,107 @@ def test_completions_with_token_id_prompt() -> None:
     assert facts.prompt_chars == 0
 
 
-@pytest.mark.parametrize(
-    ("fields", "expected"),
-    [
-        ({"max_completion_tokens": 50, "max_tokens": 500}, 50),
-        ({"max_tokens": 500, "max_completion_tokens": 50}, 50),
-        ({"max_tokens": 500, "max_new_tokens": 7}, 500),
-        ({"max_new_tokens": 7}, 7),
-        ({"max_tokens": 0}, 0),
-        # Not acceptable values fall through to the next key, or to "unknown".
-        ({"max_completion_tokens": True, "max_tokens": 40}, 40),
-        ({"max_completion_tokens": -1, "max_tokens": 40}, 40),
-        ({"max_tokens": True}, None),
-        ({"max_tokens": False}, None),
-        ({"max_tokens": -5}, None),
-        ({"max_tokens": 12.5}, None),
-        ({"max_tokens": "100"}, None),
-        ({"max_tokens": None}, None),
-        ({"max_tokens": [100]}, None),
-        ({}, None),
-    ],
-)
-def test_max_tokens(fields: dict[str, Any], expected: int | None) -> None:
-    assert read_body(body({"model": "m", **fields}), complete=True).max_tokens == expected
+#: Bodies' token limits, the output limit read from them, and whether the model servers refuse them:
+#: read as their request models read them (pydantic, lax mode), ``max_completion_tokens or
+#: max_tokens`` as SGLang and vLLM take them.
+LIMITS: list[tuple[dict[str, Any], int | None, bool]] = [
+    ({"max_tokens": 2000}, 2000, False),
+    ({"max_tokens": "2000"}, 2000, False),
+    ({"max_tokens": 2000.0}, 2000, False),
+    ({"max_tokens": " 2000 "}, 2000, False),
+    ({"max_tokens": "2000.0"}, 2000, False),
+    ({"max_tokens": "+2000"}, 2000, False),
+    ({"max_tokens": True}, 1, False),
+    ({"max_tokens": False}, 0, False),
+    ({"max_tokens": 0}, 0, False),
+    ({"max_tokens": 10**30}, 10**30, False),
+    ({"max_tokens": None}, None, False),
+    ({}, None, False),
+    ({"max_completion_tokens": 50, "max_tokens": 500}, 50, False),
+    ({"max_tokens": 500, "max_completion_tokens": 50}, 50, False),
+    ({"max_completion_tokens": "50", "max_tokens": 500}, 50, False),
+    # A zero (or null) max_completion_tokens falls back to max_tokens, as the engines do.
+    ({"max_completion_tokens": 0, "max_tokens": 2000}, 2000, False),
+    ({"max_completion_tokens": None, "max_tokens": 2000}, 2000, False),
+    ({"max_completion_tokens": False, "max_tokens": 40}, 40, False),
+    ({"max_completion_tokens": True, "max_tokens": 40}, 1, False),
+    ({"max_completion_tokens": 0}, None, False),
+    ({"max_completion_tokens": 0, "max_tokens": 0}, 0, False),
+    ({"max_completion_tokens": 2000.0, "max_tokens": 0}, 2000, False),
+    # Limits the servers refuse (400): so does extproc.
+    ({"max_tokens": "abc"}, None, True),
+    ({"max_tokens": ""}, None, True),
+    ({"max_tokens": "2e3"}, None, True),
+    ({"max_tokens": 12.5}, None, True),
+    ({"max_tokens": "12.5"}, None, True),
+    ({"max_tokens": -5}, None, True),
+    ({"max_tokens": "-5"}, None, True),
+    ({"max_tokens": float("nan")}, None, True),
+    ({"max_tokens": float("inf")}, None, True),
+    ({"max_tokens": 1e300}, None, True),
+    ({"max_tokens": [100]}, None, True),
+    ({"max_tokens": {"n": 100}}, None, True),
+    ({"max_completion_tokens": -1, "max_tokens": 40}, 40, True),
+    ({"max_completion_tokens": 50, "max_tokens": "abc"}, 50, True),
+    # max_new_tokens is no field of theirs: read when neither of theirs gives a limit, never refused.
+    ({"max_tokens": 500, "max_new_tokens": 7}, 500, False),
+    ({"max_new_tokens": 7}, 7, False),
+    ({"max_new_tokens": "7"}, 7, False),
+    ({"max_new_tokens": "abc"}, None, False),
+    ({"max_new_tokens": -7}, None, False),
+]
+
+
+@pytest.mark.parametrize(("fields", "expected", "refused"), LIMITS)
+def test_token_limits_read_as_the_model_servers_read_them(fields: dict[str, Any], expected: int | None,
+                                                          refused: bool) -> None:
+    facts = read_body(body({"model": "m", **fields}), complete=True)
+    assert facts.max_tokens == expected
+    assert bool(facts.invalid) == refused, facts.invalid
+    if refused:
+        # Says which key and what was wrong with it.
+        assert facts.invalid.split(" ")[0] in fields
+
+
+class Engine(BaseModel):
+    """The part of the model servers' request model that reads token limits (pydantic, lax mode)."""
+
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+
+
+@pytest.mark.parametrize(("fields", "expected", "refused"), [row for row in LIMITS
+                                                             if "max_new_tokens" not in row[0]])
+def test_the_table_is_what_a_lax_request_model_reads(fields: dict[str, Any], expected: int | None,
+                                                      refused: bool) -> None:
+    """The table's rows are the engines' own reading: a lax pydantic model of the two fields, then
+    ``max_completion_tokens or max_tokens``; a negative number fails their own checks."""
+    try:
+        engine = Engine.model_validate(json.loads(body(fields)))
+    except ValidationError:
+        assert refused
+        return
+    negative = any(v is not None and v < 0 for v in (engine.max_tokens, engine.max_completion_tokens))
+    assert refused == negative
+    if not refused:
+        assert (engine.max_completion_tokens or engine.max_tokens) == expected
+
+
+@pytest.mark.parametrize(("prefix", "expected"), [
+    (b'{"max_tokens": "2000", "messages": [{"content": "', 2000),
+    (b'{"max_tokens": 2000.0, "messages": [{"content": "', 2000),
+    (b'{"max_completion_tokens": 0, "max_tokens": 300, "messages": [{"content": "', 300),
+    (b'{"max_tokens": 300, "max_completion_tokens": 0, "messages": [{"content": "', 300),
+    (b'{"max_completion_tokens": 40, "max_tokens": 300, "prompt": "', 40),
+    (b'{"max_tokens": true, "prompt": "', 1),
+    # Refused by the servers, but a cut body is never refused: the limit is then unknown.
+    (b'{"max_tokens": "abc", "prompt": "', None),
+    (b'{"max_tokens": 12.5, "prompt": "', None),
+    (b'{"max_tokens": "12.5", "prompt": "', None),
+])
+def test_a_cut_body_reads_its_token_limits_alike(prefix: bytes, expected: int | None) -> None:
+    facts = read_body(prefix + b"x" * 100, complete=False, content_length=100_000)
+    assert (facts.max_tokens, facts.invalid) == (expected, "")
 
 
 @pytest.mark.parametrize("model", [None, 42, ["a"], {"name": "a"}, True])
@@ -291,13 +372,65 @@ def test_a_cut_gzip_body_is_read_as_far_as_it_goes() -> None:
 
 @pytest.mark.parametrize(("encoding", "data", "note"), [
     ("gzip", b"not gzip at all", "body is not valid gzip"),
-    ("br", b"\x1b\x03", "body is br-encoded; not read"),
-    ("zstd", b"(\xb5/\xfd", "body is zstd-encoded; not read"),
+    ("br", b"\x1b\x03", "content-encoding 'br' is not one extproc decodes"),
+    ("zstd", b"(\xb5/\xfd", "content-encoding 'zstd' is not one extproc decodes"),
 ])
-def test_other_or_broken_encodings_fall_back_with_a_reason(encoding: str, data: bytes, note: str) -> None:
+def test_other_or_broken_encodings_are_unreadable_with_a_reason(encoding: str, data: bytes,
+                                                                note: str) -> None:
     facts = read_body(data, complete=True, content_length=len(data), encoding=encoding)
     assert facts.note == note
+    assert facts.unreadable
     assert (facts.model, facts.max_tokens) == (None, None)
+
+
+SECRET = {"model": "llama-3.1-70b", "max_tokens": 2000, "messages": [{"role": "user", "content": "w" * 8000}]}
+
+
+@pytest.mark.parametrize("encoding", [
+    "x-foo", "GZIP2", "identity;q=1", "identity, identity", "identity,identity", "gzip, gzip",
+    "gzip,identity", "br", "compress", "gzip;q=1", "gzip,", ",gzip", "*",
+])
+def test_an_encoding_extproc_does_not_decode_leaves_the_body_unread(encoding: str) -> None:
+    """Unknown, stacked or decorated: not read, whatever a backend that ignores encodings would read
+    in it (here the plain JSON itself); its prompt is sized from its length as sent."""
+    raw = body(SECRET)
+    facts = read_request_body(raw, True, {"content-encoding": encoding, "content-length": str(len(raw))},
+                              1 << 20)
+    assert facts.unreadable
+    assert (facts.model, facts.max_tokens) == (None, None)
+    assert facts.prompt_chars == len(raw) - 64
+    assert repr(encoding.lower()) in facts.note
+
+
+@pytest.mark.parametrize(("encoding", "pack"), [
+    ("", lambda raw: raw), ("identity", lambda raw: raw), (" Identity ", lambda raw: raw),
+    ("gzip", gzip.compress), ("GZIP", gzip.compress), ("x-gzip", gzip.compress), ("Deflate", zlib.compress),
+])
+def test_the_encodings_extproc_decodes_are_read(encoding: str, pack: Callable[[bytes], bytes]) -> None:
+    packed = pack(body(SECRET))
+    facts = read_request_body(packed, True, {"content-encoding": encoding}, 1 << 20)
+    assert (facts.model, facts.max_tokens, facts.unreadable) == ("llama-3.1-70b", 2000, False)
+
+
+def test_plain_json_that_says_it_is_gzip_is_unreadable() -> None:
+    """A backend that ignores request encodings would read it in full: not a cheap request."""
+    raw = body(SECRET)
+    facts = read_request_body(raw, True, {"content-encoding": "gzip"}, 1 << 20)
+    assert facts.unreadable
+    assert facts.prompt_chars == len(raw) - 64
+
+
+def test_an_unreadable_body_is_never_sized_below_what_came() -> None:
+    raw = body(SECRET)
+    facts = read_request_body(raw, True, {"content-encoding": "x-foo", "content-length": "10"}, 1 << 20)
+    assert facts.prompt_chars == len(raw) - 64
+
+
+@pytest.mark.parametrize("length", ["-5", "1" * 400, "abc", ""])
+def test_a_content_length_no_proxy_passes_is_ignored(length: str) -> None:
+    prefix = b'{"max_tokens": 5, "prompt": "' + b"p" * 1000
+    facts = read_request_body(prefix, False, {"content-length": length}, 1 << 20)
+    assert facts.prompt_chars == len(prefix) - 64
 
 
 def test_identity_is_plain() -> None:

@@ -81,6 +81,55 @@ def test_job_from_body_facts() -> None:
     assert estimator.job(None, 0, -5, None).prompt_tokens == 0
 
 
+def test_a_token_limit_is_never_sized_above_max_output_tokens() -> None:
+    estimator = Estimator(config(max_output_tokens=4096))
+    assert estimator.job("m", 0, None, 4096).output_tokens == 4096
+    assert estimator.job("m", 0, None, 5000).output_tokens == 4096
+    # A limit 400 digits long (JSON allows it) is predictable, not an overflow.
+    huge = estimator.job("m", 0, None, 10**400)
+    assert huge.output_tokens == 4096
+    assert estimator.predict(huge, 1.0) == pytest.approx((20 + 4096 * 10.0 * 2) / 1000)
+
+
+def test_an_unread_body_is_the_largest_job_the_policy_expects() -> None:
+    """Its output is max_output_tokens, never default_max_tokens, and it costs what the costliest
+    model would (the body that would name the model is unread)."""
+    estimator = Estimator(config(max_output_tokens=2000))
+    unread = estimator.job(None, prompt_chars=8000, prompt_tokens=None, max_tokens=None, unreadable=True)
+    assert unread == Job(None, 2000, 2000, unread=True)
+    assert estimator.sized_as(unread, 0.0) == "big"
+    biggest_readable = max(estimator.predict(estimator.job(model, 8000, None, tokens), occ)
+                           for model in (None, "big", "other") for tokens in (None, 10, 2000, 10**6)
+                           for occ in (0.0, 1.0))
+    assert estimator.predict(unread, 1.0) == pytest.approx(biggest_readable)
+    assert estimator.predict(unread, 1.0) == pytest.approx((50 + 2000 * 0.2 + 2000 * 40 * 2) / 1000)
+    # A model from a header is known: its own costs.
+    assert estimator.sized_as(estimator.job("small", 0, None, None, unreadable=True), 0.0) == "small"
+
+
+def test_the_costliest_model_may_be_the_default() -> None:
+    estimator = Estimator(config(models={"tiny": {"decode_ms_per_token": 1.0}}))
+    unread = estimator.job(None, 0, None, None, unreadable=True)
+    assert estimator.sized_as(unread, 0.5) is None
+    assert estimator.predict(unread, 0.0) == pytest.approx((20 + 32768 * 10.0) / 1000)
+
+
+def test_an_unread_job_teaches_nothing() -> None:
+    estimator = Estimator(config(learning_rate=0.5))
+    unread = estimator.job(None, 0, None, None, unreadable=True)
+    before = estimator.predict(Job(None, 0, 100), 0.0)
+    for _ in range(20):
+        estimator.observe(unread, 0.0, 0.05)  # it answered at once: its size was a guess
+    assert estimator.learned() == {}
+    assert estimator.predict(Job(None, 0, 100), 0.0) == before
+
+
+def test_the_safe_choice_is_the_default() -> None:
+    defaults = Estimation()
+    assert (defaults.unreadable_body, defaults.max_output_tokens) == ("estimate", 32768)
+    assert defaults.max_output_tokens >= defaults.default_max_tokens
+
+
 @pytest.mark.parametrize("model", [None, "big"])
 def test_learning_converges_to_the_observed_cost(model: str | None) -> None:
     estimator = Estimator(config(learning_rate=0.1))

@@ -6,12 +6,15 @@ rate limit service (the edge judged in the headers phase, as a proxy with ``x-ex
 brought to the state through the adapters' own calls (requests submitted, retries let through and
 ended, the tenant's arrivals judged by the rate limit service, a usage report charged to it), then
 the sample sent as Envoy sends it. Compared: where it was decided (edge or ext_proc), the outcome
-(admitted, held, refused), the reason, the status and the Retry-After.
+(admitted, held, refused), the reason, the status and the Retry-After. The samples' bodies carry
+token limits as clients write them (some the model servers refuse) and Content-Encodings extproc
+decodes or cannot, under either choice of ``estimation.unreadable_body``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import random
 from collections.abc import AsyncIterator
@@ -34,6 +37,9 @@ from extproc.tools.scenario import LaneLoad, Spent
 
 TRIPLES = 1000
 NOW = 1000.0
+#: Token limits as clients send them: read as the model servers read them, or refused as they would.
+TOKEN_LIMITS: list[object] = [10, 200, 2000, "2000", 2000.0, 10**12, "abc", -1, 12.5]
+ENCODINGS = ["gzip", "GZIP", "identity", "x-foo", "identity, identity", "GZIP2", "identity;q=1", "gzip, gzip"]
 
 
 def random_policy(rng: random.Random) -> Policy:
@@ -59,7 +65,9 @@ def random_policy(rng: random.Random) -> Policy:
         "classification": {"default_lane": names[-1],
                            "rules": [{"match": {"headers": {"x-lane": [n]}}, "lane": n} for n in names]},
         "retry_after": {"min": 1, "max": 30, "jitter": rng.choice([0, 0.2]), "share": rng.choice([0, 0.5])},
-        "estimation": {"read_body": rng.choice(["auto", "always", "never"])},
+        "estimation": {"read_body": rng.choice(["auto", "always", "never"]),
+                       "unreadable_body": rng.choice(["estimate", "refuse"]),
+                       "max_output_tokens": rng.choice([1000, 32768])},
         "queueing": {"sjf_weight": rng.choice([0, 1])},
     }
     total = sum(lane["max_inflight"] for lane in lanes)
@@ -112,8 +120,17 @@ def random_triple(seed: int) -> Triple:
         headers["x-stainless-retry-count"] = str(retries)
     body = None
     if rng.random() < 0.8:
-        body = json.dumps({"model": "m", "max_tokens": rng.choice([10, 200, 2000]),
-                           "messages": [{"role": "user", "content": "x" * rng.randint(1, 400)}]}).encode()
+        doc: dict[str, Any] = {"model": "m", "max_tokens": rng.choice(TOKEN_LIMITS),
+                               "messages": [{"role": "user", "content": "x" * rng.randint(1, 400)}]}
+        if rng.random() < 0.2:
+            doc["max_completion_tokens"] = rng.choice([0, None, 50, "abc"])
+        body = json.dumps(doc).encode()
+        if rng.random() < 0.3:
+            # Encodings extproc reads, and bodies it cannot: unknown, stacked, or not what they say.
+            encoding = rng.choice(ENCODINGS)
+            headers["content-encoding"] = encoding
+            if encoding.strip().lower() == "gzip" and rng.random() < 0.7:
+                body = gzip.compress(body)
         headers["content-length"] = str(len(body))
     if not loads and not spent.any:
         spent = Spent(retry_budget=True)  # a described state (explain's default scenarios are its own)
@@ -252,6 +269,7 @@ def _verdict(response: pb.ProcessingResponse) -> Verdict:
 def test_explain_answers_as_the_live_servicer_and_rate_limit_service_do() -> None:
     disagreements = []
     kinds: dict[tuple[str, str], int] = {}
+    reasons: set[str | None] = set()
 
     async def run() -> None:
         for seed in range(TRIPLES):
@@ -261,6 +279,7 @@ def test_explain_answers_as_the_live_servicer_and_rate_limit_service_do() -> Non
             live.reach(triple)
             answered = await live.answer(triple)
             kinds[(answered.at, answered.outcome)] = kinds.get((answered.at, answered.outcome), 0) + 1
+            reasons.add(answered.reason)
             if said != answered:
                 disagreements.append((seed, said, answered))
 
@@ -269,3 +288,5 @@ def test_explain_answers_as_the_live_servicer_and_rate_limit_service_do() -> Non
     # The triples reach every kind of answer, so the comparison can fail on each.
     assert {("ext_proc", "admitted"), ("ext_proc", "held"), ("ext_proc", "rejected"),
             ("edge", "rejected")} <= set(kinds), kinds
+    # ... and the refusals of bodies: one extproc cannot read (refused by policy), a token limit refused.
+    assert {"unsupported_encoding", "bad_request"} <= reasons, reasons

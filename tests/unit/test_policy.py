@@ -288,6 +288,21 @@ def test_header_names_are_lower_cased(
             "estimation.read_body", "read_body: sometimes", "'auto', 'always' or 'never'", id="bad-literal",
         ),
         pytest.param(
+            lambda d: d.update(estimation={"unreadable_body": "ignore"}),
+            "estimation.unreadable_body", "unreadable_body: ignore", "'estimate' or 'refuse'",
+            id="bad-unreadable-body",
+        ),
+        pytest.param(
+            lambda d: d.update(estimation={"max_output_tokens": 0}),
+            "estimation.max_output_tokens", "max_output_tokens: 0", "greater than or equal to 1",
+            id="zero-max-output-tokens",
+        ),
+        pytest.param(
+            lambda d: d.update(estimation={"default_max_tokens": 4096, "max_output_tokens": 1024}),
+            "estimation", "estimation:", "default_max_tokens (4096) must not exceed max_output_tokens (1024)",
+            id="default-over-max-output-tokens",
+        ),
+        pytest.param(
             lambda d: d.update(tenants={"weights": {"acme": 0}}),
             "tenants.weights.acme", "acme: 0", "greater than 0", id="zero-weight",
         ),

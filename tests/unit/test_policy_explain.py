@@ -284,6 +284,45 @@ def test_body_that_is_not_json_falls_back_to_defaults() -> None:
         in ex.render(expl)
 
 
+def test_a_body_that_cannot_be_read_is_explained_as_the_largest_job() -> None:
+    request = sample_request(path="/v1/chat/completions", headers=["content-encoding: x-foo"], body=CHAT_BODY)
+    expl = ex.explain(example("policy.yaml"), request)
+    assert expl.intake.body.unreadable
+    est = expl.estimate
+    assert est.job == Job(None, (len(CHAT_BODY) - 64) // 4, 32768, unread=True)
+    assert est.output_from.startswith("estimation.max_output_tokens: the body cannot be read")
+    assert est.costs_from.startswith("estimation.models.llama-3.1-70b, the costliest")
+    assert est.decode_ms_per_token == 30.0
+    text = ex.render(expl)
+    assert ("cannot be read (content-encoding 'x-foo' is not one extproc decodes): "
+            "estimation.unreadable_body is estimate, so it is sized as the largest job") in text
+    assert expl.scenarios[0].outcome is Outcome.ADMITTED
+    assert ex.as_json(expl)["body"]["unreadable"] is True
+
+
+def test_a_body_that_cannot_be_read_is_explained_as_refused_when_the_policy_says_so() -> None:
+    policy = small_policy([{"name": "a", "max_inflight": 1, "deadline": "1s"}],
+                          estimation={"default": COST, "read_body": "always", "unreadable_body": "refuse"})
+    request = sample_request(path="/v1/chat/completions", headers=["content-encoding: gzip, gzip"],
+                             body=CHAT_BODY)
+    expl = ex.explain(policy, request)
+    # Once the edge let it through (it sheds on a full queue first, as live: it never sees a body).
+    assert {(s.outcome, s.reason, s.status, s.retry_after) for s in expl.scenarios if s.at == "ext_proc"} == {
+        (Outcome.REJECTED, Reason.UNSUPPORTED_ENCODING, 415, None)}
+    text = ex.render(expl)
+    assert ("→ REJECTED 415 unsupported_encoding before it is classified: Content-encoding 'gzip, gzip' "
+            "is not one extproc decodes.") in text
+    assert "Retry-After None" not in text
+
+
+def test_a_token_limit_the_model_servers_refuse_is_explained_as_a_400() -> None:
+    expl = ex.explain(example("policy.yaml"), sample_request(path="/v1/completions",
+                                                             body='{"max_tokens": -3, "prompt": "hi"}'))
+    assert {(s.reason, s.status) for s in expl.scenarios} == {(Reason.BAD_REQUEST, 400)}
+    assert "the model servers refuse it (max_tokens -3: must not be negative)" in ex.render(expl)
+    assert ex.as_json(expl)["body"]["invalid"] == "max_tokens -3: must not be negative"
+
+
 def test_body_of_any_bytes_from_a_file(tmp_path: Path) -> None:
     raw = tmp_path / "body.bin"
     raw.write_bytes(b"\xff\xfe\x00 binary")
@@ -346,6 +385,11 @@ def _live(policy: Policy, request: ex.SampleRequest) -> tuple[Classification, Jo
     ("demo-policy.yaml", {"path": "/v1/completions", "headers": ["x-extproc-client: globex"],
                           "body": '{"model": "m", "max_tokens": 40, "prompt": "hello there"}'}),
     ("single-lane.yaml", {"path": "/v1/chat/completions", "body": CHAT_BODY}),
+    ("policy.yaml", {"path": "/v1/chat/completions", "headers": ["content-encoding: x-foo"],
+                     "body": CHAT_BODY}),
+    ("policy.yaml", {"path": "/v1/chat/completions", "headers": ["content-encoding: gzip"],
+                     "body": CHAT_BODY}),
+    ("policy.yaml", {"path": "/v1/completions", "body": '{"max_tokens": "2000", "prompt": "hello"}'}),
 ])
 def test_explanation_agrees_with_the_live_handler(policy_file: str, argv: dict[str, Any]) -> None:
     policy = example(policy_file)

@@ -284,6 +284,14 @@ CASES = [
          "4 → 3: predicted service times grow"),
     Case("estimation.default_max_tokens", put("estimation.default_max_tokens", 512),
          "estimation.default_max_tokens", "256 → 512: predicted service times grow"),
+    Case("estimation.max_output_tokens", put("estimation.max_output_tokens", 65536),
+         "estimation.max_output_tokens", "32768 → 65536 (bodies it cannot read, and larger max_tokens): "
+         "predicted service times grow"),
+    Case("estimation.unreadable_body", put("estimation.unreadable_body", "refuse"),
+         "estimation.unreadable_body", "estimate → refuse: a body extproc cannot read"),
+    Case("estimation.unreadable_body", put("estimation.read_body", "always"), "estimation.unreadable_body",
+         "is refused (415 unsupported_encoding)",
+         both(put("estimation.read_body", "never"), put("estimation.unreadable_body", "refuse"))),
     Case("estimation.model_header", put("estimation.model_header", "x-model"), "estimation.model_header",
          "unset → x-model: the model is read elsewhere"),
     Case("estimation.default.prefill_ms_per_token", put("estimation.default.prefill_ms_per_token", 0.1),
@@ -485,6 +493,7 @@ SAFE_CASES = {
     "a tenant weight unchanged in effect": put("tenants.weights.globex", 1),
     "body limits raised": both(put("estimation.max_body_bytes", 4 * 1024 * 1024),
                                put("estimation.body_timeout", "30s")),
+    "a smaller largest job": put("estimation.max_output_tokens", 16384),
 }
 
 

@@ -694,7 +694,8 @@ def test_one_reason_vocabulary_knows_when_retrying_helps() -> None:
     from extproc.core.decision import Reason
 
     assert {r for r in Reason if not r.retry_helps} == {
-        Reason.LANE_CLOSED, Reason.SATURATED, Reason.RETRY_BUDGET, Reason.BAD_REQUEST}
+        Reason.LANE_CLOSED, Reason.SATURATED, Reason.RETRY_BUDGET, Reason.BAD_REQUEST,
+        Reason.UNSUPPORTED_ENCODING}
     assert all(r.message.endswith(".") for r in Reason)
 
 
