@@ -10,7 +10,9 @@ token (TPOT) p95.
   limit drops to what the engines run (in flight − (waiting − queue)), at most halving in one
   move; a limit already there holds while the requests admitted before it drain, and a limit
   well above what runs sheds only a few waiting requests (ones caught between two engine steps
-  look the same), not itself down to what runs. A latency
+  look the same), not itself down to what runs; and a few waiting while TTFT p95 is under half
+  its target are no queue at all (they cost no first token: an engine that takes new requests
+  into its batch every few steps shows some at most samples with slots free). A latency
   percentile above its target cuts the limit in proportion (target / observed, between ×0.5 and
   ×0.95). A percentile looks back over its window (the signal's ``window``, or a query's
   ``[range]``), so after a fall it may cut again only once that window and ``cooldown`` have
@@ -70,6 +72,10 @@ _HEADROOM, _PRESSED, _PRESSED_HELD = 0.9, 0.9, 0.75
 _CLEAR_QUEUE = 4
 #: Decay per interval once stale signals outlast stale_hold.
 _DECAY = 0.9
+#: A few requests waiting at the engines while TTFT p95 is under this share of its target cost no
+#: first token anything: not a queue to fall for (an engine that batches new requests in every few
+#: steps shows a few waiting at most samples with free slots).
+_QUEUE_TTFT = 0.5
 
 Reason = Literal["start", "running", "engine_queue", "ttft", "tpot", "headroom", "stale", "reload"]
 Role = Literal["waiting", "running", "ttft_p95", "tpot_p95"]
@@ -213,6 +219,9 @@ class AutoLimit:
             # A few waiting while the engines still take more in are requests caught between two
             # steps (a burst's prefills), not engines out of room: a start does not stop for them.
             queueing = False
+        ttft, goal = fresh.get("ttft_p95"), target.ttft_p95
+        if queueing and not large and ttft is not None and goal is not None and ttft < _QUEUE_TTFT * goal:
+            queueing = False  # a few waiting that cost no first token anything
         seen_before, self._queueing = self._queueing, queueing
         return queueing, queueing and (seen_before or large)
 

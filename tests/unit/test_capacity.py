@@ -43,7 +43,9 @@ def policy(**auto: Any) -> Policy:
 
 
 def readings(now: float, waiting: float | None = 0, tpot: float | None = 0.02,
-             ttft: float | None = 0.1) -> dict[str, Reading]:
+             ttft: float | None = 0.6) -> dict[str, Reading]:
+    # TTFT p95 over half its target (1 s) and under 90 % of it: a few requests waiting count as a
+    # queue, and there is headroom to grow.
     values = {"waiting": waiting, "tpot": tpot, "ttft": ttft}
     return {name: Reading(value, now) for name, value in values.items() if value is not None}
 
@@ -93,6 +95,27 @@ def test_one_sample_of_a_small_engine_queue_is_not_yet_a_fall() -> None:
     move = a.update(readings(6, waiting=3), inflight=180, held=True, now=6)  # still there: falls
     assert move is not None
     assert (move.limit, move.reason) == (177, "engine_queue")  # what runs (180) less the excess
+
+
+def test_a_few_waiting_that_cost_no_first_token_are_not_a_queue() -> None:
+    """An engine that takes new requests into its batch every few steps shows a few waiting at most
+    samples although it has free slots; while TTFT p95 stays under half its target they cost no one a
+    first token: no fall, and growth goes on. The same few with TTFT at 60 % of it are a queue."""
+    calm = auto_of(policy(start=64))
+    for t in range(0, 20, 2):
+        calm.update(readings(t, waiting=3, ttft=0.3), inflight=calm.limit, held=True, now=t)
+    assert calm.limit > 64
+    assert calm.state().reason == "headroom"
+    slow = auto_of(policy(start=64))
+    assert slow.update(readings(0, waiting=3), inflight=64, held=True, now=0) is None
+    move = slow.update(readings(2, waiting=3), inflight=64, held=True, now=2)
+    assert move is not None
+    assert (move.limit, move.reason) == (61, "engine_queue")
+    # A queue four times over the target is one whatever TTFT says (it has not reached TTFT yet).
+    big = auto_of(policy(start=64))
+    move = big.update(readings(0, waiting=20, ttft=0.3), inflight=64, held=True, now=0)
+    assert move is not None
+    assert (move.limit, move.reason) == (44, "engine_queue")
 
 
 def test_a_request_or_two_waiting_below_a_loose_limit_trims_it_not_down_to_what_runs() -> None:
@@ -511,7 +534,7 @@ def running_policy(**auto: Any) -> Policy:
                                   "capacity": {"max_inflight": "auto", "auto": config}})
 
 
-def engines(now: float, running: float, waiting: float = 0, ttft: float = 0.1) -> dict[str, Reading]:
+def engines(now: float, running: float, waiting: float = 0, ttft: float = 0.6) -> dict[str, Reading]:
     return {**readings(now, waiting=waiting, ttft=ttft), "running": Reading(running, now)}
 
 
