@@ -5,20 +5,20 @@ policy's ``[min, max]``, and moves it at most once per ``interval`` from three e
 (each optional): the requests waiting in the engines' own queues, TTFT p95 and time per output
 token (TPOT) p95.
 
-* **Fall fast.** An engine queue above ``target.queue`` (seen on two ticks running, or four
-  times over at once) means the limit lets more requests in than the engines run at once: the
-  limit drops to what the engines run (in flight − (waiting − queue)), at most halving in one
-  move; a limit already there holds while the requests admitted before it drain, and a limit
-  well above what runs sheds only a few waiting requests (ones caught between two engine steps
-  look the same), not itself down to what runs; and a few waiting while TTFT p95 is under half
-  its target are no queue at all (they cost no first token: an engine that takes new requests
-  into its batch every few steps shows some at most samples with slots free). A latency
-  percentile above its target cuts the limit in proportion (target / observed, between ×0.5 and
-  ×0.95). A percentile looks back over its window (the signal's ``window``, or a query's
-  ``[range]``), so after a fall it may cut again only once that window and ``cooldown`` have
-  passed (for TTFT, the window plus the TTFT seen: a first token seen now is of a request
-  admitted that long ago); the queue always may (it is a gauge). Each fall remembers where the
-  engines had too many: what ran then (not a limit far above it).
+* **Fall fast.** An engine queue above ``target.queue`` (seen on two ticks running, or four times
+  over at once) means the limit lets more requests in than the engines run at once: the limit drops
+  to what the engines run (in flight − (waiting − queue)), at most halving in one move; a limit
+  already there holds while the requests admitted before it drain, and a limit well above what runs
+  sheds only a few waiting requests (ones caught between two engine steps look the same), not itself
+  down to what runs; and a few waiting while TTFT p95 is under half its target are no queue at all
+  (they cost no first token: an engine that takes new requests into its batch every few steps shows
+  some at most samples with slots free). A latency percentile above its target cuts the limit in
+  proportion (target / observed, between ×0.5 and ×0.95; a TPOT, which a smaller batch shortens only
+  a little, by ×0.9 at most). A percentile looks back over its window (the signal's ``window``, or a
+  query's ``[range]``), so after a fall it may cut again only once that window and ``cooldown`` have
+  passed (for TTFT, the window plus the TTFT seen: a first token seen now is of a request admitted
+  that long ago); the queue always may (it is a gauge). Each fall remembers where the engines had
+  too many: what ran then (not a limit far above it).
 * **Grow carefully.** Only while every fresh signal has headroom (no engine queue beyond the
   target, latencies below 90 % of their targets) *and* the limit is what holds traffic back
   (in flight ≥ 90 % of the limit, or ≥ 75 % while requests wait in extproc's queues for want of a
@@ -58,6 +58,10 @@ from extproc.policy.signals import Signals
 
 #: Most of the excess one fall may take off; the largest and smallest proportional cuts.
 _MAX_CUT, _CUT_FLOOR, _CUT_CEILING = 0.5, 0.5, 0.95
+#: A TPOT over target cuts at most this much at once: a step takes a fixed time plus a little per
+#: sequence, so TPOT is far from proportional to concurrency, and a cut in proportion (as for TTFT,
+#: which is queueing) took a third of the slots off for a TPOT that fewer would not have fixed.
+_TPOT_CUT_FLOOR = 0.9
 #: Growth per interval: first step, largest step (consecutive growths double it up to this).
 _GROW_FIRST, _GROW_MAX = 0.05, 0.25
 #: Near the last fall's starting point (within this share of it) growth creeps by _CREEP (at
@@ -276,7 +280,8 @@ class AutoLimit:
         self._unreachable = f"{text} at min {auto.min}" if at_min else None
         if at_min or now - self._last_cut < wait:
             return True, None
-        self._value = max(float(auto.min), self._value * min(max(ratio, _CUT_FLOOR), _CUT_CEILING))
+        floor = _TPOT_CUT_FLOOR if reason == "tpot" else _CUT_FLOOR
+        self._value = max(float(auto.min), self._value * min(max(ratio, floor), _CUT_CEILING))
         if self._slow_start:
             # Before the engines first queue, a percentile over target is mostly the burst of
             # held requests the last doubling let in, prefilled at once: wait out its window,

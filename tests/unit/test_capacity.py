@@ -160,16 +160,27 @@ def test_a_limit_that_already_left_the_queue_out_holds_while_admitted_requests_d
 
 def test_a_latency_over_target_cuts_in_proportion_then_waits_for_the_window() -> None:
     a = auto_of(policy(start=100, cooldown="6s"))
-    move = a.update(readings(0, tpot=0.0625), inflight=100, held=False, now=0)  # 50 / 62.5 = 0.8
+    move = a.update(readings(0, ttft=1.25), inflight=100, held=False, now=0)  # 1 / 1.25 = 0.8
     assert move is not None
-    assert (move.limit, move.reason) == (80, "tpot")
-    assert a.update(readings(2, tpot=0.2), 80, False, 2) is None  # within the cooldown: the p95 lags
-    move = a.update(readings(6, tpot=0.2), 80, False, 6)
+    assert (move.limit, move.reason) == (80, "ttft")
+    assert a.update(readings(2, ttft=4.0), 80, False, 2) is None  # within the cooldown: the p95 lags
+    move = a.update(readings(6, ttft=4.0), 80, False, 6)
     assert move is not None
     assert move.limit == 40  # cut at most by half
     move = a.update(readings(12, ttft=1.05), 40, False, 12)
     assert move is not None
     assert (move.limit, move.reason) == (38, "ttft")  # at least 5 %
+
+
+def test_a_tpot_over_target_cuts_a_tenth_at_most() -> None:
+    """A step takes a fixed time plus a little per sequence: halving the batch does not halve TPOT."""
+    a = auto_of(policy(start=100, cooldown="6s"))
+    move = a.update(readings(0, tpot=0.2), inflight=100, held=False, now=0)  # 4x the 50 ms target
+    assert move is not None
+    assert (move.limit, move.reason) == (90, "tpot")
+    move = a.update(readings(6, tpot=0.0515), 90, False, 6)
+    assert move is not None
+    assert (move.limit, move.reason) == (85, "tpot")  # at least 5 %, as any cut
 
 
 def test_a_percentile_cuts_again_only_after_its_window_has_passed() -> None:
@@ -185,11 +196,11 @@ def test_a_percentile_cuts_again_only_after_its_window_has_passed() -> None:
     assert p.capacity.auto is not None
     a = AutoLimit(p.capacity.auto, signals)
     assert a.update(readings(0, tpot=0.0625), inflight=100, held=False, now=0) is not None
-    assert a.limit == 80
-    assert a.update(readings(6, tpot=0.2), 80, False, 6) is None  # past the cooldown, not the window
-    move = a.update(readings(10, tpot=0.2), 80, False, 10)
+    assert a.limit == 90
+    assert a.update(readings(6, tpot=0.2), 90, False, 6) is None  # past the cooldown, not the window
+    move = a.update(readings(10, tpot=0.2), 90, False, 10)
     assert move is not None
-    assert move.limit == 40
+    assert move.limit == 81
 
 
 def test_a_slow_first_token_seen_after_a_fall_is_of_a_request_admitted_before_it() -> None:
