@@ -1,8 +1,9 @@
 """Every figure the docs quote matches its results file, and none is left unmarked.
 
 The checker is ``bench/claims.py`` (its docstring has the marker syntax, the rounding rule and what
-counts as a figure that must be marked). Here it is held to small documents, so each way a
-figure can be wrong is seen to fail.
+counts as a figure that must be marked). Here it is held to small documents first, so each way a
+figure can be wrong is seen to fail, then run over README.md and docs/*.md against
+bench/results/, and over the real README with one figure changed and one marker dropped.
 """
 
 from __future__ import annotations
@@ -213,3 +214,50 @@ def test_given_phrases_are_the_runs_inputs(results: Path) -> None:
 def test_code_spans_across_lines_hide_their_numbers(results: Path) -> None:
     text = "Measured (`bench/results/run.json`, `extproc simulate --trace x.csv\n--load 1.5`).\n"
     assert problems(text, results) == []
+
+
+# -- the docs ----------------------------------------------------------------------------------------
+
+
+def test_every_figure_in_the_docs_matches_its_results_file_and_none_is_unmarked() -> None:
+    found, values = claims.check(claims.documents())
+    assert [str(p) for p in found] == []
+    assert len(values) > 400  # the docs are marked; a marker lost to an edit would not go unseen
+    assert {claim.doc for claim, _ in values} == {"README.md", "docs/operator-guide.md"}
+
+
+def _figure(text: str, expr: str) -> re.Match[str]:
+    m = re.search(r"([\d.,]+)( ?\w*)<!-- claim: " + re.escape(expr) + " -->", text)
+    assert m is not None, expr
+    return m
+
+
+def test_the_real_readme_fails_on_a_changed_figure_and_on_an_unmarked_one() -> None:
+    readme = (ROOT / "README.md").read_text()
+    m = _figure(readme, "#.ttft.p99")  # the Azure trace's interactive TTFT p99
+    changed = readme[:m.start(1)] + "1.04" + readme[m.end(1):]
+    found, _ = claims.check_claims(claims.parse(changed, "README.md"))
+    assert len(found) == 1
+    key = 'trace_azure.json#runs["policy (demo-policy.yaml)"].lanes.interactive.ttft.p99'
+    assert found[0].message.startswith(f"1.04 is written where {key} is ")
+    dropped = readme[:m.end(2)] + readme[m.end():]
+    found = claims.unmarked(dropped, "README.md")
+    assert len(found) == 1
+    assert f"unmarked figure '{m.group(1)}'" in found[0].message
+
+
+def test_every_quoted_results_file_is_listed_with_the_command_that_writes_it() -> None:
+    rows = re.findall(r"^\| `([^`]+)` \| (.+?) \| (yes|no) \|$", (ROOT / "bench" / "README.md").read_text(),
+                      re.MULTILINE)
+    listed = {name: rerun == "yes" for name, _, rerun in rows}
+    _, values = claims.check(claims.documents())
+    quoted = {claim.file for claim, _ in values}
+    assert quoted <= set(listed), quoted - set(listed)
+    assert all((claims.RESULTS / name).is_file() for name in listed)
+    # What `make claims` reruns is what bench/simulate_claims.py writes.
+    simulate_claims = _load("simulate_claims")
+    writes = {"simulate_claims.json", *(f"{name}.json" for name in simulate_claims.TRACES)}
+    assert {name for name, rerun in listed.items() if rerun} == writes
+    makefile = (ROOT / "Makefile").read_text()
+    recipe = r"^claims:.*\n\t\$\(PY\) bench/simulate_claims\.py\n\t\$\(PY\) bench/claims\.py$"
+    assert re.search(recipe, makefile, re.MULTILINE)
