@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup system-deps demo serve test lint unit integration e2e protos clean
+.PHONY: setup system-deps demo serve test lint unit integration e2e claims protos clean
 
 # Debian packages the tests use, as command:package. Installed when missing (as root, or with sudo).
 SYSTEM_TOOLS := docker-compose:docker-compose promtool:prometheus redis-server:redis-server tmux:tmux wrk:wrk
@@ -55,6 +55,14 @@ integration: setup
 
 e2e: setup
 	$(VENV)/bin/pytest tests/e2e
+
+# Figures the docs quote: rerun the simulator's (bench/simulate_claims.py: its claims and the Azure
+# trace replays, about 2 minutes, deterministic but for wall times) into bench/results/, then check
+# every marked figure in README.md and docs/ against its results file (bench/claims.py; live
+# benchmarks' files are checked, not rerun).
+claims: setup
+	$(PY) bench/simulate_claims.py
+	$(PY) bench/claims.py
 
 # Regenerate extproc/api from protos/ after editing a .proto (the generated code is checked in;
 # tests/unit/test_protos.py fails when it does not match).

@@ -10,10 +10,14 @@
 3. Speed: 100,000 requests through the demo policy, wall time.
 4. Fidelity: the simulator's p50/p99 TTFT for the demo's workload against the live
    `extproc demo` run recorded in bench/results/demo.json (same seed, load, duration).
+5. A real trace: the README's `extproc simulate --trace bench/data/azure-2023-conv.csv --load 1.5`
+   commands, run as written, with the demo policy and with the self-sizing one (TRACES).
 
     .venv/bin/python bench/simulate_claims.py [--quick]
 
-Writes bench/results/simulate_claims.json and bench/results/simulate_claims.png.
+Writes bench/results/simulate_claims.json and .png, and each trace replay's JSON and PNG
+(bench/results/trace_azure.json, trace_azure_auto.json). `make claims` runs it (about two minutes),
+then checks every figure the README and docs/ quote against its results file (bench/claims.py).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,6 +42,14 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 PROFILE = get_profile("llama-70b-2xh100")
 TIME_SCALE = 0.1
+#: Trace replays: results name → the `extproc simulate` arguments (run from the checkout's root) that
+#: write it with --json and --plot.
+TRACES: dict[str, tuple[str, ...]] = {
+    name: ("--policy", policy, "--workload", "examples/workloads/chatbot.yaml",
+           "--trace", "bench/data/azure-2023-conv.csv", "--load", "1.5")
+    for name, policy in (("trace_azure", "examples/demo-policy.yaml"),
+                         ("trace_azure_auto", "examples/auto-policy.yaml"))
+}
 
 
 def one_lane(sjf_weight: float) -> Policy:
@@ -178,6 +191,15 @@ def fidelity() -> dict[str, Any] | None:
     return out
 
 
+def trace_replays() -> None:
+    """Each of TRACES as its command line says, writing its JSON and PNG."""
+    for name, arguments in TRACES.items():
+        outputs = ("--json", f"bench/results/{name}.json", "--plot", f"bench/results/{name}.png")
+        print(f"\nextproc simulate {' '.join(arguments + outputs)}", flush=True)
+        subprocess.run([sys.executable, "-m", "extproc", "simulate", *arguments, *outputs], cwd=ROOT,
+                       check=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -190,6 +212,7 @@ def main() -> int:
     started = time.monotonic()
     doc: dict[str, Any] = {
         "benchmark": "simulate_claims",
+        "command": " ".join([".venv/bin/python bench/simulate_claims.py", *sys.argv[1:]]),
         "machine": {"nproc": os.cpu_count(), "python": platform.python_version(),
                     "date": time.strftime("%Y-%m-%d %H:%M:%S")},
         "parameters": {"profile": PROFILE.name, "time_scale": TIME_SCALE, "duration_s": duration,
@@ -205,6 +228,7 @@ def main() -> int:
     (RESULTS / "simulate_claims.json").write_text(json.dumps(doc, indent=1))
     _report(doc)
     _plot(doc, RESULTS / "simulate_claims.png")
+    trace_replays()
     return 0
 
 

@@ -33,6 +33,9 @@ class Result:
     """When each retry was sent, seconds after the request's first attempt (load runner only)."""
     retry_after: tuple[int | None, ...] = ()
     """The Retry-After each rejected attempt was given (None: none), in order (load runner only)."""
+    engine_ttft: float | None = None
+    """Seconds from the admitted attempt reaching the engine to its first token: the engine's own
+    queue and prefill (known in simulation, not over HTTP)."""
 
     @property
     def ok(self) -> bool:
@@ -70,6 +73,11 @@ class Summary:
     ttft: dict[str, float | None] = field(default_factory=dict)
     e2e: dict[str, float | None] = field(default_factory=dict)
     queue_wait: dict[str, float | None] = field(default_factory=dict)
+    first_attempt_ttft: dict[str, float | None] = field(default_factory=dict)
+    """TTFT of the requests served on their first attempt: without the waits of refused attempts."""
+    engine_ttft: dict[str, float | None] = field(default_factory=dict)
+    retried: int = 0
+    """Requests served only on a retry (their TTFT counts from the first attempt)."""
     goodput_rps: float = 0.0
     throughput_rps: float = 0.0
     rejection_rate: float = 0.0
@@ -90,12 +98,19 @@ def summarise(results: Iterable[Result], slos: Mapping[str, Slo], duration: floa
     ttfts: list[float] = []
     e2es: list[float] = []
     waits: list[float] = []
+    first_ttfts: list[float] = []
+    engine_ttfts: list[float] = []
     for r in rows:
         s.attempts += r.attempts
         if r.ok:
             s.ok += 1
+            s.retried += r.attempts > 1
             if r.ttft is not None:
                 ttfts.append(r.ttft)
+                if r.attempts == 1:
+                    first_ttfts.append(r.ttft)
+            if r.engine_ttft is not None:
+                engine_ttfts.append(r.engine_ttft)
             if r.e2e is not None:
                 e2es.append(r.e2e)
             if r.queue_wait is not None:
@@ -115,6 +130,8 @@ def summarise(results: Iterable[Result], slos: Mapping[str, Slo], duration: floa
         s.ttft[f"p{q}"] = percentile(ttfts, q)
         s.e2e[f"p{q}"] = percentile(e2es, q)
         s.queue_wait[f"p{q}"] = percentile(waits, q)
+        s.first_attempt_ttft[f"p{q}"] = percentile(first_ttfts, q)
+        s.engine_ttft[f"p{q}"] = percentile(engine_ttfts, q)
     if duration > 0:
         s.goodput_rps = s.met_slo / duration
         s.throughput_rps = s.ok / duration
@@ -149,6 +166,8 @@ _ROWS: tuple[tuple[str, Callable[[Summary], str]], ...] = (
     ("queue wait p99", lambda s: fmt_seconds(s.queue_wait.get("p99"))),
     ("TTFT p50", lambda s: fmt_seconds(s.ttft.get("p50"))),
     ("TTFT p99", lambda s: fmt_seconds(s.ttft.get("p99"))),
+    ("  first attempts", lambda s: fmt_seconds(s.first_attempt_ttft.get("p99"))),
+    ("  in the engine", lambda s: fmt_seconds(s.engine_ttft.get("p99"))),
     ("E2E p99", lambda s: fmt_seconds(s.e2e.get("p99"))),
     ("goodput", lambda s: f"{s.goodput_rps:.1f}/s"),
     ("rejected (429)", lambda s: f"{s.rejection_rate:.0%}"),
@@ -161,12 +180,16 @@ def side_by_side(columns: Mapping[str, tuple[Mapping[str, Summary], Summary]]) -
     """One table: a block of rows per lane (and "all"), one column per run.
 
     ``columns`` maps a run's name to its per-lane summaries and its overall summary.
-    Queue-wait rows appear only when some run knows its queue waits (simulation).
+    Queue-wait rows, and the TTFT p99 of first attempts and of the engine alone (where the rest of
+    a TTFT goes: retries after a refusal, and the wait for admission), appear only when some run
+    knows them (simulation).
     """
     runs = list(columns.items())
-    has_waits = any(s.queue_wait.get("p50") is not None for _, (lanes, overall) in runs
-                    for s in [*lanes.values(), overall])
-    rows_spec = [r for r in _ROWS if has_waits or not r[0].startswith("queue wait")]
+    summaries = [s for _, (lanes, overall) in runs for s in [*lanes.values(), overall]]
+    has_waits = any(s.queue_wait.get("p50") is not None for s in summaries)
+    has_engine = any(s.engine_ttft.get("p50") is not None for s in summaries)
+    rows_spec = [r for r in _ROWS if (has_waits or not r[0].startswith("queue wait"))
+                 and (has_engine or not r[0].startswith("  "))]
     lanes = sorted({name for _, (per_lane, _) in runs for name in per_lane})
     rows: list[tuple[str, ...]] = [("lane", "", *[name for name, _ in runs])]
     for lane in [*lanes, "all"]:

@@ -79,6 +79,7 @@ class _State:
     ticket: Ticket | None = None
     first_token: float | None = None
     queue_wait: float | None = None
+    engine_ttft: float | None = None
     in_engine: bool = False
     result: Result | None = None
 
@@ -314,6 +315,7 @@ class _Run:
             (st.first_token - r.at) if ok and st.first_token is not None else None,
             (now - r.at) if ok and now is not None else None,
             st.attempts, r.output_tokens, reason, st.queue_wait if ok else None,
+            engine_ttft=st.engine_ttft if ok else None,
         )
         self.results.append(st.result)
         self.states.pop(r.index, None)
@@ -494,6 +496,7 @@ class _Run:
             st = self.states[int(event.req_id)]  # in the engine: no result yet
             if isinstance(event, FirstToken):
                 st.first_token = event.time
+                st.engine_ttft = event.ttft
             elif isinstance(event, Finished):
                 st.in_engine = False
                 if driver is None:
@@ -501,6 +504,7 @@ class _Run:
                     st.queue_wait = event.queue_time
                 if st.first_token is None:
                     st.first_token = event.time - (event.e2e - event.ttft)
+                    st.engine_ttft = event.ttft
                 self.finish(st, 200, event.time)
                 if driver is not None and st.ticket is not None:
                     self.by_ticket.pop(st.ticket.id, None)
@@ -616,10 +620,10 @@ def command(args: argparse.Namespace) -> int:
     slos = {c.name: Slo(c.slo.ttft, c.slo.e2e) for c in spec.classes}
     columns: dict[str, tuple[dict[str, Summary], Summary]] = {}
     doc: dict[str, Any] = {"profile": profile.name, "time_scale": args.time_scale, "seed": args.seed,
-                           "requests": 0, "duration_s": duration, "runs": {}}
+                           "load": args.load, "rate": args.rate, "requests": 0, "duration_s": duration,
+                           "runs": {}}
     if trace is not None:
-        doc["trace"] = {"path": str(trace.path), "format": trace.format, "speedup": trace.replay.speedup,
-                        "rate_scale": trace.replay.rate_scale, "window": list(trace.replay.window)}
+        doc["trace"] = _trace_doc(trace, scaled=bool(args.rate or args.load))
     started = time.perf_counter()
     for name, policy_or_none in policies.items():
         t0 = time.perf_counter()
@@ -648,8 +652,9 @@ def command(args: argparse.Namespace) -> int:
     if trace is not None and trace.bad:
         print(f"{trace.path}: skipped {trace.bad} malformed lines", file=sys.stderr)
         doc["trace"]["skipped_bad_lines"] = trace.bad
+    doc["simulated_s"] = round(time.perf_counter() - started, 2)
     print(f"{doc['requests']} requests over {duration:.0f}s on {profile.name} "
-          f"(time scale {args.time_scale}), simulated in {time.perf_counter() - started:.1f}s")
+          f"(time scale {args.time_scale}), simulated in {doc['simulated_s']:.1f}s")
     print(side_by_side(columns))
     for name, run_doc in doc["runs"].items():
         for lane, shares in run_doc["tenant_shares"].items():
@@ -660,6 +665,17 @@ def command(args: argparse.Namespace) -> int:
     if args.plot:
         _plot(columns, Path(args.plot))
     return 0
+
+
+def _trace_doc(trace: Trace, scaled: bool) -> dict[str, Any]:
+    """What a replay played; ``scaled`` (sped up to a rate or load): with the mix the speedup came from."""
+    out: dict[str, Any] = {"path": str(trace.path), "format": trace.format, "speedup": trace.replay.speedup,
+                           "rate_scale": trace.replay.rate_scale, "window": list(trace.replay.window)}
+    if scaled:
+        n, span, prompt, output = trace.mix()
+        out.update(requests=n, span_s=round(span, 3), mean_prompt_tokens=round(prompt, 1),
+                   mean_output_tokens=round(output, 1))
+    return out
 
 
 def _verify(args: argparse.Namespace) -> int:

@@ -41,6 +41,22 @@ def test_summary_goodput_rejections_and_retry_amplification() -> None:
     assert s.e2e["p99"] == pytest.approx(3.0 + (20.0 - 3.0) * 0.98)
 
 
+def test_summary_splits_first_attempts_and_the_engines_share_of_a_ttft() -> None:
+    rows = [
+        Result(0, "a", "t", 0.0, 200, 0.5, 2.0, 1, 50, engine_ttft=0.1),
+        Result(1, "a", "t", 1.0, 200, 8.0, 9.0, 2, 50, engine_ttft=0.2),   # served on its retry
+        Result(2, "a", "t", 2.0, 200, 0.3, 1.0, 1, 50),                    # over HTTP: engine unknown
+        Result(3, "a", "t", 3.0, 429, None, None, 3, 50),
+    ]
+    s = summarise(rows, {"a": Slo(ttft=1.0, e2e=10.0)}, duration=1.0)
+    assert s.retried == 1
+    assert s.first_attempt_ttft["p50"] == pytest.approx(0.4)
+    assert s.first_attempt_ttft["p99"] == pytest.approx(0.3 + 0.2 * 0.99)
+    assert s.ttft["p99"] > 7.0
+    assert s.engine_ttft["p50"] == pytest.approx(0.15)
+    assert summarise(rows[2:], {}, 1.0).engine_ttft["p99"] is None
+
+
 def test_grouped_by_class_and_by_length_judges_each_request_by_its_class_slo() -> None:
     slos = {"fast": Slo(ttft=0.1, e2e=1.0), "slow": Slo(ttft=10, e2e=100)}
     rows = [row(0, 200, 0.5, 0.9, cls="fast"), row(1, 200, 0.5, 50, cls="slow", output=2000)]

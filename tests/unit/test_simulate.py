@@ -123,6 +123,22 @@ def test_policy_beats_no_admission_control_for_interactive_under_overload(demo_p
     assert fifo > policy
 
 
+def test_the_engines_own_time_to_a_first_token_is_told_apart(demo_policy: Policy) -> None:
+    spec, requests = chatbot(1.5, 60)
+    sim = Simulator(LLAMA_70B_2XH100, time_scale=0.1, client=spec.client)
+    for policy in (None, demo_policy):
+        served = [r for r in sim.run(requests, policy).results if r.ok]
+        assert served
+        assert all(r.engine_ttft is not None and r.ttft is not None for r in served)
+        if policy is None:
+            # Without admission control the engine's own queue is the whole wait.
+            assert all(r.engine_ttft == pytest.approx(r.ttft) for r in served)
+        else:
+            # With it the engine's part is what is left after the wait for admission (and retries).
+            assert all(r.engine_ttft <= r.ttft - r.queue_wait + 1e-9 for r in served)
+            assert max(r.engine_ttft for r in served) < 1.0 < max(r.ttft for r in served)
+
+
 def test_tenant_shares_follow_weights_when_contended() -> None:
     policy = Policy.model_validate(
         {

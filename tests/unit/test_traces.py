@@ -226,9 +226,15 @@ def test_simulate_replays_a_public_trace_at_a_load(tmp_path: Path) -> None:
     assert doc["requests"] == 300
     assert doc["trace"]["format"] == "azure"
     assert doc["trace"]["speedup"] > 1
+    # What the load was computed from, and what it came to: the trace's own mix and span.
+    assert doc["load"] == 1.5
+    assert doc["trace"]["requests"] == 300
+    assert doc["trace"]["mean_prompt_tokens"] > doc["trace"]["mean_output_tokens"] > 0
+    assert doc["trace"]["span_s"] == pytest.approx(doc["duration_s"] * doc["trace"]["speedup"], rel=0.01)
     assert set(doc["runs"]) == {"no admission control", "fifo, capped queue", "policy (demo-policy.yaml)"}
     lanes = doc["runs"]["policy (demo-policy.yaml)"]["lanes"]
     assert {"interactive", "batch", "best-effort"} <= set(lanes)
+    assert lanes["interactive"]["engine_ttft"]["p99"] <= lanes["interactive"]["ttft"]["p99"]
 
 
 def test_simulate_says_which_line_is_bad(tmp_path: Path) -> None:
