@@ -50,6 +50,7 @@ from extproc.core.overload import ARRIVAL_HEADER, SHED_STATUS, OverloadGuard
 from extproc.core.redaction import Redactor
 from extproc.core.saturation import Effect
 from extproc.core.usage import NAMESPACE, admission_metadata, ask_for_usage, plan
+from extproc.log import Lines
 
 if TYPE_CHECKING:
     from extproc.servers.ratelimit import RateLimitService
@@ -589,7 +590,7 @@ class _Request:
             # Client-sent x-extproc-* headers extproc had to drop itself: a gateway that strips them
             # first (the shipped configs do) never lets one through.
             fields["stripped"] = self.remove
-        self.p.log.info("decision", **fields)
+        self.p.records.info("decision", **fields)
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -609,6 +610,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         # A bound logger of our own (made after logging is configured): the module-level proxy
         # would resolve itself again on each of the one-per-request decision lines.
         self.log: structlog.typing.FilteringBoundLogger = log.bind()
+        #: Where the decision lines go: the one line per request, off structlog's chain (``log.Lines``).
+        self.records = Lines("extproc.decision")
         #: The edge, judged here for a proxy that says so (x-extproc-edge) rather than in a rate limit
         #: call of its own (None: every arrival goes on to ext_proc's decision).
         self.edge = edge

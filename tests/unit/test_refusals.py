@@ -57,7 +57,7 @@ def wired(policy: Policy = POLICY) -> tuple[Stack, Recorder]:
     stack.edge.refused = stack.controller.refused
     stack.edge.policy_hash = stack.processor.policy_hash = lambda: HASH
     recorder = Recorder()
-    stack.processor.log = stack.edge.log = recorder  # type: ignore[assignment]
+    stack.processor.log = stack.processor.records = stack.edge.log = recorder  # type: ignore[assignment]
     return stack, recorder
 
 
