@@ -40,6 +40,8 @@ from extproc.policy.schema import Lane, Policy
 REQUEST_ID = "request_id"
 #: Descriptor entries that are not request headers.
 NOT_HEADERS = frozenset({"generic_key", "method", "path", REQUEST_ID})
+#: Entries never part of what the edge remembers of an arrival.
+_NOT_KEYED = frozenset({"generic_key", REQUEST_ID})
 #: Distinct arrival descriptors whose classification the edge keeps (all forgotten once full).
 _ARRIVAL_KEY_BYTES = 1024
 _ARRIVALS_KEPT = 4096
@@ -305,9 +307,10 @@ class Edge:
         # Classification reads the path without its query: so does the key. A key longer than
         # _ARRIVAL_KEY_BYTES (client-chosen paths and header values) is classified, not kept: the
         # memo holds at most _ARRIVALS_KEPT small keys.
-        # The request id (a descriptor's own, with --edge call) is unique per request: never in the key.
+        # The request id (a descriptor's own, with --edge call) is unique per request: never in the key;
+        # nor the generic key, the same for every arrival (judged inline, the entries come without it).
         key = tuple((k, v.split("?", 1)[0]) if k == "path" else (k, v) for k, v in entries.items()
-                    if k != REQUEST_ID)
+                    if k not in _NOT_KEYED)
         known = self._arrivals.get(key)
         if known is None:
             known = self.request(entries)
