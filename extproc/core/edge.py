@@ -23,6 +23,7 @@ import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Protocol
 
 from extproc.core.admission import Scheduler
@@ -47,6 +48,10 @@ _ARRIVAL_KEY_BYTES = 1024
 _ARRIVALS_KEPT = 4096
 #: A status count with no limit to report.
 UNLIMITED = 2**32 - 1
+
+
+def _no_weight(name: str) -> float:
+    return 1.0  # (never asked: the intake of a policy comes first, and its weights with it)
 
 
 #: Reasons that are a tenant's budget, not a lane's pressure.
@@ -162,15 +167,15 @@ def may_crowd(tenant: str, queued: Mapping[str, int], weight: Callable[[str], fl
 
 def lane_check(name: str, lane: Lane, pressure: LanePressure, *, tenant: str, weight: Callable[[str], float],
                queue_share: float, shed_saturated: bool, retry_max_s: float,
-               drain_s: Callable[[], float], claimed: Callable[[], bool] | None = None) -> Check:
+               drain_s: Callable[[str], float], claimable: Callable[[str, str], bool] | None = None) -> Check:
     """Whether the edge sheds ``tenant``'s request to ``lane`` under ``pressure``.
 
     The lane's room is its slots plus the queue places before the edge sheds
     (``queue_share`` of ``max_queued``, rounded up). A full queue sheds only if no slot is
     free either (the scheduler's verdict), and only a tenant that already holds its fair
-    share of the queue, nor a returning retry that holds a booking (``claimed``: ext_proc gives it
-    its kept place; asked only when the lane would shed otherwise, as asking takes the booking's
-    one pass). ``drain_s`` is called only for a full lane.
+    share of the queue, nor a returning retry that holds a booking (``claimable(name, tenant)``:
+    ext_proc gives it its kept place; asked only when the lane would shed otherwise, as asking takes
+    the booking's one pass). ``drain_s(name)`` is called only for a full lane.
     """
     threshold = math.ceil(queue_share * pressure.max_queued)
     room = pressure.limit + threshold
@@ -180,10 +185,11 @@ def lane_check(name: str, lane: Lane, pressure: LanePressure, *, tenant: str, we
         return Check(True, Reason.LANE_CLOSED, label, room, None, 0, retry_max_s)
     if shed_saturated and pressure.shed_by is not None:
         return Check(True, Reason.SATURATED, label, room, None, 0, retry_max_s)
-    crowds = pressure.max_queued > 0 and may_crowd(tenant, pressure.tenants, weight)
-    if (not pressure.slot_free and pressure.queued >= threshold and not crowds
-            and not (claimed is not None and claimed())):
-        drain = drain_s()
+    # (Whether the tenant may crowd in is asked only of a lane that is full otherwise.)
+    if (not pressure.slot_free and pressure.queued >= threshold
+            and not (pressure.max_queued > 0 and may_crowd(tenant, pressure.tenants, weight))
+            and not (claimable is not None and claimable(name, tenant))):
+        drain = drain_s(name)
         wait = drain if math.isfinite(drain) and drain > 0 else 0.0
         return Check(True, Reason.QUEUE_FULL, label, room, None, 0, wait)
     return Check(False, None, label, room, None, remaining, 0.0)
@@ -222,9 +228,13 @@ class Judgement:
         return all(c.reason is None or c.reason.retry_helps for c in self.over)
 
 
+_RESET = attrgetter("reset_s")
+_REMAINING = attrgetter("remaining")
+
+
 def judge(lane: str, tenant: str, checks: list[Check], *, shadow: bool = False) -> Judgement:
     over = tuple(c for c in checks if c.over)
-    status = max(over, key=lambda c: c.reset_s) if over else min(checks, key=lambda c: c.remaining)
+    status = max(over, key=_RESET) if over else min(checks, key=_REMAINING)
     return Judgement(lane, tenant, status, over, shadow)
 
 
@@ -290,6 +300,7 @@ class Edge:
         #: ``request``'s answers for arrival descriptors seen under the current intake.
         self._arrivals: dict[tuple[tuple[str, str], ...], tuple[str, list[str]]] = {}
         self._lanes: dict[str, Lane] = {}
+        self._weight: Callable[[str], float] = _no_weight
 
     def _intake_of(self, policy: Policy) -> Intake:
         intake = self._intake
@@ -297,6 +308,12 @@ class Edge:
             intake = self._intake = Intake(policy)
             self._arrivals.clear()
             self._lanes = {lane.name: lane for lane in policy.lanes}
+            weights, default = policy.tenants.weights, policy.tenants.default_weight
+
+            def weight(name: str) -> float:
+                return weights.get(name, default)
+
+            self._weight = weight
         return intake
 
     def arrival(self, entries: Mapping[str, str]) -> tuple[str, list[str]]:
@@ -352,33 +369,29 @@ class Edge:
         """Everything about one arrival but its tenant's budgets: its lanes' checks, and the budget
         operations it needs (``asks``, in order), for this edge's budgets or a shared store."""
         self._sized(config)
-        policy = self.pressure.policy
+        source = self.pressure
+        policy = source.policy
         tenant, candidates = self.arrival(entries)
-        weights, default = policy.tenants.weights, policy.tenants.default_weight
         # A retry (the retry budget's header, sent in the descriptor) may hold a booking on its
         # lane's return schedule: the edge lets it through for ext_proc to claim.
         retry = is_retry(entries, policy.retry_budget.header)
-
-        def weight(name: str) -> float:
-            return weights.get(name, default)
-
         checks: list[Check] = []
         # A request that may land in a lane that only observes must not be blocked here either.
         shadow = config.mode == "shadow"
         lane_checks: list[Check] = []
         configs = self._lanes
         for name in candidates:
-            pressure = self.pressure.lane(name)
+            pressure = source.lane(name)
             config_of_lane = configs.get(name)
             if pressure is None or config_of_lane is None:
                 continue
             # A paused lane holds its requests even in shadow mode, as ext_proc does.
             shadow = shadow or (pressure.shadow and not pressure.paused)
             lane_checks.append(lane_check(
-                name, config_of_lane, pressure, tenant=tenant, weight=weight, queue_share=config.queue_share,
-                shed_saturated=config.shed_saturated, retry_max_s=policy.retry_after.max,
-                drain_s=lambda name=name: self.pressure.drain_s(name),  # type: ignore[misc]
-                claimed=(lambda name=name: self.pressure.claimable(name, tenant)) if retry else None))  # type: ignore[misc]
+                name, config_of_lane, pressure, tenant=tenant, weight=self._weight,
+                queue_share=config.queue_share, shed_saturated=config.shed_saturated,
+                retry_max_s=policy.retry_after.max, drain_s=source.drain_s,
+                claimable=source.claimable if retry else None))
         if lane_checks:
             # Shed only if every lane the request could land in sheds; else report one that has room.
             open_lanes = [c for c in lane_checks if not c.over]
