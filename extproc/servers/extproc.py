@@ -28,9 +28,9 @@ import asyncio
 import math
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import grpc
 import structlog
@@ -218,22 +218,62 @@ def _edge_shed(rejection: Rejection, limits: Headers) -> pb.ProcessingResponse:
     ))
 
 
-def _response_headers(limits: Headers) -> pb.ProcessingResponse:
-    """The answer to the response headers that sets ``limits`` on them: one per distinct ``limits``, built
-    once and shared (never mutated); at most ``_ANSWERS_KEPT`` kept, all forgotten when full."""
-    response = _WITH_LIMITS.get(limits)
-    if response is None:
-        response = pb.ProcessingResponse()
-        _continue(response.response_headers.response, [], limits)
-        if len(_WITH_LIMITS) >= _ANSWERS_KEPT:
-            _WITH_LIMITS.clear()
-        _WITH_LIMITS[limits] = response
+K = TypeVar("K", bound=Hashable)
+
+
+class _Answers(Generic[K]):
+    """Answers built once per distinct key and shared by every stream (never mutated): the same few
+    recur (lanes, tenants, predictions, limits), but the keys hold client-chosen values, so at most
+    ``KEPT`` are kept, all forgotten at once when full."""
+
+    KEPT = 1024
+    __slots__ = ("_build", "_kept")
+
+    def __init__(self, build: Callable[[K], pb.ProcessingResponse]) -> None:
+        self._build = build
+        self._kept: dict[K, pb.ProcessingResponse] = {}
+
+    def __call__(self, key: K) -> pb.ProcessingResponse:
+        response = self._kept.get(key)
+        if response is None:
+            response = self._build(key)
+            if len(self._kept) >= self.KEPT:
+                self._kept.clear()
+            self._kept[key] = response
+        return response
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+
+def _with_limits(limits: Headers) -> pb.ProcessingResponse:
+    """The answer to the response headers that sets ``limits`` on them."""
+    response = pb.ProcessingResponse()
+    _continue(response.response_headers.response, [], limits)
     return response
 
 
-#: The response headers' answers by the limits they set (``_response_headers``).
-_WITH_LIMITS: dict[Headers, pb.ProcessingResponse] = {}
-_ANSWERS_KEPT = 1024
+def _admission(key: tuple[str, Headers]) -> pb.ProcessingResponse:
+    """An admission answered in ``phase`` (its request's headers or body) that sets ``headers`` upstream."""
+    phase, headers = key
+    response, common = _answer_in(phase)
+    _continue(common, [], headers)
+    return response
+
+
+def _answer_in(phase: str) -> tuple[pb.ProcessingResponse, pb.CommonResponse]:
+    """A new answer to the message of ``phase`` (request headers: the body skipped), and its common part."""
+    response = pb.ProcessingResponse()
+    if phase == "request_headers":
+        response.mode_override.CopyFrom(NO_BODY_MODE)
+        return response, response.request_headers.response
+    return response, response.request_body.response
+
+
+#: The response headers' answers by the limits they set.
+_RESPONSE_HEADERS = _Answers(_with_limits)
+#: Admissions that drop no header and record nothing, by phase and the headers they set.
+_ADMISSIONS = _Answers(_admission)
 
 
 class Linger:
@@ -419,7 +459,7 @@ class _Request:
         self.status = _status_of(message)
         if not self.limits:
             return _RESPONSE_HEADERS_PASSTHROUGH
-        return _response_headers(self.limits)
+        return _RESPONSE_HEADERS(self.limits)
 
     def on_body(self, message: pb.HttpBody) -> pb.ProcessingResponse | None:
         """The answer to a body chunk, or None when the request is to be decided on this one."""
@@ -463,28 +503,25 @@ class _Request:
         if decision.outcome is not Outcome.ADMITTED:
             return self._reject(decision)
         t = decision.ticket
-        response = pb.ProcessingResponse()
-        if phase == "request_headers":
-            common = response.request_headers.response
-            response.mode_override.CopyFrom(NO_BODY_MODE)
-        else:
-            common = response.request_body.response
-        headers = [
+        headers: Headers = (
             ("x-extproc-lane", t.lane),
             ("x-extproc-tenant", t.tenant),
             ("x-extproc-queue-ms", str(round(t.queue_wait * 1000))),
             ("x-extproc-predicted-ms", str(round(t.predicted * 1000))),
-        ]
+        )
         if decision.shadow is not None:
             # Lets the backend's own logs show what enforcing would have done.
             would = decision.shadow.value + (f"; reason={decision.reason.value}" if decision.reason else "")
-            headers.append(("x-extproc-shadow", would))
+            headers += (("x-extproc-shadow", would),)
         head = self.head
         remove = self.remove
         # (The proxy's own x-extproc-usage-filter never reaches the backend: the shipped routes drop
         # it, so no request pays for removing it here.)
         usage = plan(self.p.controller.policy.ratelimit, t.tenant, head.path, head.headers,
                      self.body) if head is not None else None
+        if (usage is None or not usage.record) and not remove:
+            return _ADMISSIONS((phase, headers))  # (the usual case: an answer with nothing of its own)
+        response, common = _answer_in(phase)
         if usage is None or not usage.record:
             _continue(common, remove, headers)
             return response

@@ -65,13 +65,50 @@ def test_edge_shed_is_the_filters_429() -> None:
 def test_the_response_headers_answer_is_built_once_per_distinct_limits() -> None:
     from extproc.servers import extproc
 
+    answers = extproc._RESPONSE_HEADERS
     one = _ratelimit_headers([check(4, 3)])
-    assert extproc._response_headers(one) is extproc._response_headers(_ratelimit_headers([check(4, 3)]))
-    other = extproc._response_headers(_ratelimit_headers([check(4, 2)]))
+    assert answers(one) is answers(_ratelimit_headers([check(4, 3)]))
+    other = answers(_ratelimit_headers([check(4, 2)]))
     assert headers_of(other.response_headers.response.header_mutation)["x-ratelimit-remaining"] == "2"
-    for remaining in range(extproc._ANSWERS_KEPT + 5):  # (client load decides how many: bounded)
-        extproc._response_headers(_ratelimit_headers([check(10**6, remaining)]))
-    assert len(extproc._WITH_LIMITS) <= extproc._ANSWERS_KEPT
+    for remaining in range(answers.KEPT + 5):  # (client load decides how many: bounded)
+        answers(_ratelimit_headers([check(10**6, remaining)]))
+    assert 0 < len(answers) <= answers.KEPT
+
+
+def test_an_admission_with_nothing_of_its_own_is_one_shared_answer() -> None:
+    from extproc.servers import extproc
+
+    headers = (("x-extproc-lane", "interactive"), ("x-extproc-tenant", "acme"), ("x-extproc-queue-ms", "0"),
+               ("x-extproc-predicted-ms", "1200"))
+    body = extproc._ADMISSIONS(("request_body", headers))
+    assert body is extproc._ADMISSIONS(("request_body", tuple(headers)))
+    assert body.request_body.response.status == pb.CommonResponse.CONTINUE
+    assert headers_of(body.request_body.response.header_mutation) == dict(headers)
+    heads = extproc._ADMISSIONS(("request_headers", headers))
+    assert heads is not body
+    assert heads.mode_override.request_body_mode == extproc.NO_BODY_MODE.request_body_mode
+    assert headers_of(heads.request_headers.response.header_mutation) == dict(headers)
+
+
+async def test_an_admission_that_records_usage_has_its_own_answer() -> None:
+    # A tenant with a token budget: its admission carries the metadata its charge needs, and its body
+    # rewritten to ask for usage; another tenant's is the shared answer, with neither.
+    budgets = {"budgets": {"tenants": {"acme": {"tokens": 1000, "per": "minute"}}}}
+    policy = Policy.model_validate({**POLICY.model_dump(mode="json", exclude_unset=True),
+                                    "ratelimit": budgets})
+    stack = Stack(policy, RateLimit.model_validate(budgets))
+    stack.controller.start()
+    try:
+        plain = await stack.stream(tenant="globex")
+        budgeted = await stack.stream(tenant="acme")
+        again = await stack.stream(tenant="acme")
+    finally:
+        await stack.controller.stop()
+    assert "extproc" not in plain[1].dynamic_metadata.fields
+    assert not plain[1].request_body.response.HasField("body_mutation")
+    assert budgeted[1].dynamic_metadata["extproc"]["strip_usage"] == "1"
+    assert budgeted[1].request_body.response.body_mutation.body.endswith(b'"include_usage":true}}')
+    assert budgeted[1] is not again[1]
 
 
 _WINDOWS = {Limit.SECOND: 1, Limit.MINUTE: 60, Limit.HOUR: 3600, Limit.DAY: 86400}
