@@ -52,6 +52,7 @@ from extproc.core.redaction import Redactor
 from extproc.core.saturation import Effect
 from extproc.core.usage import NAMESPACE, admission_metadata, ask_for_usage, plan
 from extproc.log import Lines
+from extproc.servers.deadlines import Deadlines
 
 if TYPE_CHECKING:
     from extproc.servers.ratelimit import Inline, RateLimitService
@@ -662,6 +663,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         # A bound logger of our own (made after logging is configured): the module-level proxy
         # would resolve itself again on each of the one-per-request decision lines.
         self.log: structlog.typing.FilteringBoundLogger = log.bind()
+        #: The body reads waiting under their deadline.
+        self._deadlines = Deadlines()
         #: Where the decision lines go: the one line per request, off structlog's chain (``log.Lines``).
         self.records = Lines("extproc.decision")
         #: The edge, judged here for a proxy that says so (x-extproc-edge) rather than in a rate limit
@@ -847,10 +850,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         """The next message while a body is awaited; None if the stream ended or the body is late
         (then ``request.waiting_body`` is still true)."""
         # Read in this task under a deadline: a task of its own for the read (ensure_future + wait)
-        # cost a Task, a future and an extra pass of the event loop on every request with a body.
+        # cost a Task, a future and an extra pass of the event loop on every request with a body; and
+        # one timer for every read rather than one each (servers/deadlines.py).
         try:
-            async with asyncio.timeout(self.controller.machine.body_timeout_s):
-                return await anext(messages)
+            return await self._deadlines.within(self.controller.machine.body_timeout_s, anext(messages))
         except TimeoutError:
             return None
         except StopAsyncIteration:
