@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from operator import attrgetter
 from typing import Protocol
 
@@ -31,6 +31,7 @@ from extproc.core.budget import BucketVerdict, Budget, Refill
 from extproc.core.decision import ANY_LANE, Reason, Rejection, reject
 from extproc.core.drain import Told
 from extproc.core.intake import Intake
+from extproc.core.lanes import LanePressure
 from extproc.core.retry import retry_after
 from extproc.core.retry_budget import is_retry
 from extproc.policy.ratelimit import RateLimit, TenantLimit
@@ -56,31 +57,6 @@ def _no_weight(name: str) -> float:
 
 #: Reasons that are a tenant's budget, not a lane's pressure.
 _BUDGETS = frozenset({Reason.TENANT_REQUESTS, Reason.TENANT_TOKENS})
-
-
-@dataclass(frozen=True, slots=True)
-class LanePressure:
-    """A lane's load as the edge sees it."""
-
-    queued: int
-    max_queued: int
-    inflight: int
-    limit: int
-    """The in-flight limit in force (saturation may have shrunk it)."""
-    slot_free: bool = True
-    """Whether one more request of this lane could start now, by the scheduler's own rule."""
-    shed_by: str | None = None
-    """What sheds this lane under saturation (None: not shed)."""
-    signal: str | None = None
-    """The signal that made it shed, for logs."""
-    closed: bool = False
-    """Closed by policy: every request is rejected."""
-    paused: bool = False
-    """Paused by an operator: nothing starts, requests queue until their deadline."""
-    shadow: bool = False
-    """The lane only observes (policy or lane shadow mode): the edge must not block it either."""
-    tenants: Mapping[str, int] = field(default_factory=dict)
-    """Queued requests by tenant (for fair shares of a full queue)."""
 
 
 class Pressure(Protocol):
@@ -117,15 +93,8 @@ class SchedulerPressure:
         return self._scheduler.policy
 
     def lane(self, name: str) -> LanePressure | None:
-        # One lane, not the whole snapshot: the edge asks on every request.
-        scheduler = self._scheduler
-        view = scheduler.lane_view(name)
-        if view is None:
-            return None
-        return LanePressure(queued=view.queued, max_queued=view.max_queued, inflight=view.inflight,
-                            limit=view.effective_limit, slot_free=scheduler.admissible(name),
-                            shed_by=view.shed_by, signal=view.shed_signal, closed=view.closed,
-                            paused=view.paused, shadow=view.shadow, tenants=view.tenants)
+        # One lane, not the whole snapshot, nor even its whole view: the edge asks on every request.
+        return self._scheduler.lane_pressure(name)
 
     def drain_s(self, lane: str) -> float:
         # The same drain as the scheduler's own rejections: the edge and ext_proc answer alike.
