@@ -50,9 +50,12 @@ async def measure(n: int) -> dict[str, float]:
     sys.path.insert(0, str(BENCH.parent))
     from bench.overhead import BODY, POLICY
 
-    log.configure("json", "info")
     # The decision lines are written (as deployed), to nowhere.
-    structlog.configure(logger_factory=structlog.WriteLoggerFactory(file=NOWHERE))
+    try:
+        log.configure("json", "info", file=NOWHERE)
+    except TypeError:  # a checkout from before configure took a stream
+        log.configure("json", "info")
+        structlog.configure(logger_factory=structlog.WriteLoggerFactory(file=NOWHERE))
 
     def descriptor_request(entries: list[tuple[str, str]]) -> rls.RateLimitRequest:
         d = RateLimitDescriptor()

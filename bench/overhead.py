@@ -46,7 +46,8 @@ Run (full, about 10 minutes on 2 cores; stops by itself, ``--time-limit`` bounds
 
     PYTHONPATH=. .venv/bin/python bench/overhead.py
 
-``--quick`` is a smoke run (1 repetition, short runs, ≈ 1.5 min); ``--configs a,b,...`` picks
+``--quick`` is a smoke run (1 repetition, short runs, ≈ 1.5 min); ``--dry-run`` starts nothing and
+checks the shape of the figures and ``targets`` computed from made-up runs; ``--configs a,b,...`` picks
 configurations (Envoy alone is always run: every figure is relative to it); ``--rates 200,500``,
 ``--duration S``, ``--throughput-duration S``, ``--reps N``, ``--keep`` (keep process logs).
 Writes ``bench/results/overhead.json`` and (with matplotlib) ``bench/results/overhead.png``.
@@ -114,13 +115,31 @@ REDIS_CONFIGS = ("extproc_edge_redis", "replicas_2", "replicas_3")
 #: Processes whose CPU counts in cpu_us_per_request (by name prefix); the others are reported apart.
 COUNTED = ("envoy", "extproc", "noop")
 
-#: Targets (issue #19), all relative to baselines from the same run.
-TARGET_ADDED_P50_VS_NOOP = 1.25
-TARGET_ADDED_P99_VS_NOOP = 1.5
-TARGET_THROUGHPUT_RATIO = 0.9
-TARGET_CPU_VS_NOOP = 1.1
+#: Targets (issue #31), each against a baseline from the same run, like for like: extproc as shipped
+#: against the no-op that asks for the same messages (``noop_response``); with the response message
+#: sampled (``extproc_edge_sampled``, when that configuration runs) against the bare no-op.
+TARGET_CPU_VS_NOOP_RESPONSE = 1.10
+TARGET_THROUGHPUT_VS_NOOP_RESPONSE = 0.70
+TARGET_ADDED_P50_VS_NOOP_RESPONSE = 1.25
+TARGET_ADDED_P99_VS_NOOP_RESPONSE = 1.5
 TARGET_REPLICA_EFFICIENCY = 0.8
+TARGET_SAMPLED_CPU_VS_NOOP = 1.2
+TARGET_SAMPLED_THROUGHPUT_VS_NOOP = 0.6
 TARGET_REDIS_SLACK_MS = 0.3
+#: What each target compares (``targets`` in overhead.json: name → value, bound, met).
+TARGETS = {
+    "cpu": f"cpu_us_per_request extproc_edge / noop_response <= {TARGET_CPU_VS_NOOP_RESPONSE}",
+    "throughput": "throughput_req_per_s extproc_edge / noop_response >= "
+                  f"{TARGET_THROUGHPUT_VS_NOOP_RESPONSE}",
+    "p50_500": f"added_ms_500 p50 extproc_edge / noop_response <= {TARGET_ADDED_P50_VS_NOOP_RESPONSE}",
+    "p99_500": f"added_ms_500 p99 extproc_edge / noop_response <= {TARGET_ADDED_P99_VS_NOOP_RESPONSE}",
+    "replicas_3": "replica_efficiency with 3 replicas (median of the repetitions) >= "
+                  f"{TARGET_REPLICA_EFFICIENCY}",
+    "sampled_cpu": f"cpu_us_per_request extproc_edge_sampled / noop <= {TARGET_SAMPLED_CPU_VS_NOOP}",
+    "sampled_throughput": "throughput_req_per_s extproc_edge_sampled / noop >= "
+                          f"{TARGET_SAMPLED_THROUGHPUT_VS_NOOP}",
+    "redis_p99": f"redis_added_p99_ms <= redis_ping_p99_ms + {TARGET_REDIS_SLACK_MS}",
+}
 
 POLICY = """\
 # Limits that never bind: the benchmark measures the cost of deciding, not of queueing.
@@ -538,20 +557,22 @@ def summarize(cfg: Config, rates: list[int]) -> dict[str, Any]:
     # Over each repetition's paced runs (every rate): counted CPU per request, and requests per
     # extproc CPU-second (the replicas' efficiency); medians over repetitions.
     paced = [r for rate in rates for r in cfg.runs.get(str(rate), [])]
-    per_rep_cpu, per_rep_eff, per_rep_proc = [], [], []
-    for runs in _by_rep(paced).values():
+    per_rep_cpu, per_rep_proc = [], []
+    per_rep_eff: dict[str, float] = {}
+    for rep, runs in _by_rep(paced).items():
         requests = sum(r["requests"] for r in runs)
         cpu = {k: sum(r["cpu_s"][k] for r in runs) for k in runs[0]["cpu_s"]}
         per_rep_cpu.append(sum(v for k, v in cpu.items() if counted(k)) / requests * 1e6)
         per_rep_proc.append({k: v / requests * 1e6 for k, v in cpu.items()})
         extproc_cpu = sum(v for k, v in cpu.items() if k.startswith("extproc"))
         if extproc_cpu > 0:
-            per_rep_eff.append(requests / extproc_cpu)
+            per_rep_eff[str(rep)] = requests / extproc_cpu
     if per_rep_cpu:
         out["paced_cpu_us_per_request"] = _median(per_rep_cpu)
         out["paced_cpu_us_per_request_by_process"] = {
             k: _median([p[k] for p in per_rep_proc]) for k in per_rep_proc[0]}
-        out["requests_per_extproc_cpu_s"] = _median(per_rep_eff)
+        out["requests_per_extproc_cpu_s"] = _median(list(per_rep_eff.values()))
+        out["requests_per_extproc_cpu_s_by_rep"] = {r: round(v, 3) for r, v in per_rep_eff.items()}
     return out
 
 
@@ -566,11 +587,47 @@ def _ratio(x: float | None, y: float | None) -> float | None:
     return round(x / y, 3) if x is not None and y else None
 
 
-def _target(value: float | None, limit: float | None, kind: str, what: str) -> dict[str, Any]:
+def _target(value: float | None, bound: float | None, kind: str) -> dict[str, Any]:
+    """``value`` against ``bound`` (``kind``: ``max`` or ``min``); met None when either is unknown."""
     met = None
-    if value is not None and limit is not None:
-        met = value <= limit if kind == "max" else value >= limit
-    return {"what": what, "value": value, kind: None if limit is None else round(limit, 3), "met": met}
+    if value is not None and bound is not None:
+        met = value <= bound if kind == "max" else value >= bound
+    return {"value": value, "bound": None if bound is None else round(bound, 3), "met": met}
+
+
+def replica_efficiency(summary: dict[str, Any], n: str) -> tuple[float | None, dict[str, float]]:
+    """Requests per extproc CPU-second with ``n`` replicas over one replica on Redis, repetition by
+    repetition (both measured side by side in each): the median over repetitions, and each."""
+    many = summary.get(f"replicas_{n}", {}).get("requests_per_extproc_cpu_s_by_rep", {})
+    one = summary.get("extproc_edge_redis", {}).get("requests_per_extproc_cpu_s_by_rep", {})
+    by_rep = {rep: round(many[rep] / one[rep], 3) for rep in many if one.get(rep)}
+    return _median(list(by_rep.values())), by_rep
+
+
+def targets(out: dict[str, Any], pings_p99: float | None) -> dict[str, dict[str, Any]]:
+    """Every target of ``TARGETS`` from ``compare``'s figures."""
+    cpu, tput = out["cpu_us_per_request"], out["throughput_req_per_s"]
+    added = out["added_ms_500"]
+    edge, floor = added.get("extproc_edge"), added.get("noop_response")
+
+    def added_ratio(q: str) -> float | None:
+        return _ratio(edge[q], floor[q]) if edge and floor else None
+
+    return {
+        "cpu": _target(_ratio(cpu.get("extproc_edge"), cpu.get("noop_response")), TARGET_CPU_VS_NOOP_RESPONSE,
+                       "max"),
+        "throughput": _target(_ratio(tput.get("extproc_edge"), tput.get("noop_response")),
+                              TARGET_THROUGHPUT_VS_NOOP_RESPONSE, "min"),
+        "p50_500": _target(added_ratio("p50"), TARGET_ADDED_P50_VS_NOOP_RESPONSE, "max"),
+        "p99_500": _target(added_ratio("p99"), TARGET_ADDED_P99_VS_NOOP_RESPONSE, "max"),
+        "replicas_3": _target(out["replica_efficiency"]["3"], TARGET_REPLICA_EFFICIENCY, "min"),
+        "sampled_cpu": _target(_ratio(cpu.get("extproc_edge_sampled"), cpu.get("noop")),
+                               TARGET_SAMPLED_CPU_VS_NOOP, "max"),
+        "sampled_throughput": _target(_ratio(tput.get("extproc_edge_sampled"), tput.get("noop")),
+                                      TARGET_SAMPLED_THROUGHPUT_VS_NOOP, "min"),
+        "redis_p99": _target(out["redis_added_p99_ms"],
+                             pings_p99 + TARGET_REDIS_SLACK_MS if pings_p99 is not None else None, "max"),
+    }
 
 
 def compare(summary: dict[str, Any], rates: list[int], pings: list[dict[str, float]]) -> dict[str, Any]:
@@ -591,14 +648,15 @@ def compare(summary: dict[str, Any], rates: list[int], pings: list[dict[str, flo
         r, m = pick(rate, "extproc_edge_redis"), pick(rate, "extproc_edge")
         return round(r["p99"] - m["p99"], 3) if r and m else None
 
+    efficiency = {n: replica_efficiency(summary, n) for n in ("2", "3")}
+    baselines = ("extproc_edge", "noop", "noop_response")
     out: dict[str, Any] = {
-        # The keys tools read (issue #19): added_ms is at the first rate (200 req/s by default).
-        "added_ms": {"extproc_edge": pick(first, "extproc_edge"), "noop": pick(first, "noop")},
-        "added_ms_500": {"extproc_edge": pick(second, "extproc_edge"), "noop": pick(second, "noop")},
+        # The keys tools read (issues #19, #31): added_ms is at the first rate (200 req/s by default).
+        "added_ms": {k: pick(first, k) for k in baselines},
+        "added_ms_500": {k: pick(second, k) for k in baselines},
         "throughput_ratio_vs_noop": _ratio(tput.get("extproc_edge"), tput.get("noop")),
         "cpu_us_per_request": cpu,
-        "replica_efficiency": {n: _ratio(eff.get(f"replicas_{n}"), eff.get("extproc_edge_redis"))
-                               for n in ("2", "3")},
+        "replica_efficiency": {n: value for n, (value, _) in efficiency.items()},
         "redis_added_p99_ms": redis_added(first),
         "redis_ping_p99_ms": ping_p99,
         # Everything else.
@@ -608,28 +666,52 @@ def compare(summary: dict[str, Any], rates: list[int], pings: list[dict[str, flo
         "throughput_ratio_vs_noop_all": {k: _ratio(v, tput.get("noop")) for k, v in tput.items()},
         "throughput_ratio_vs_envoy": {k: _ratio(v, tput.get("envoy")) for k, v in tput.items()},
         "requests_per_extproc_cpu_s": {k: v for k, v in eff.items() if v is not None},
+        "replica_efficiency_by_rep": {n: by_rep for n, (_, by_rep) in efficiency.items()},
         "redis_ping": pings,
     }
-    targets: list[dict[str, Any]] = []
-    for rate in (first, second):
-        if rate is None:
-            continue
-        edge, noop = pick(rate, "extproc_edge"), pick(rate, "noop")
-        for q, factor in (("p50", TARGET_ADDED_P50_VS_NOOP), ("p99", TARGET_ADDED_P99_VS_NOOP)):
-            targets.append(_target(edge[q] if edge else None, noop[q] * factor if noop else None, "max",
-                                   f"extproc_edge added {q} at {rate} req/s <= {factor} x noop's"))
-    targets.append(_target(out["throughput_ratio_vs_noop"], TARGET_THROUGHPUT_RATIO, "min",
-                           f"extproc_edge max throughput >= {TARGET_THROUGHPUT_RATIO} x noop's"))
-    noop_cpu = cpu.get("noop")
-    targets.append(_target(cpu.get("extproc_edge"), noop_cpu and noop_cpu * TARGET_CPU_VS_NOOP, "max",
-                           f"extproc_edge CPU per request <= {TARGET_CPU_VS_NOOP} x noop's"))
-    for count in ("2", "3"):
-        targets.append(_target(out["replica_efficiency"][count], TARGET_REPLICA_EFFICIENCY, "min",
-                               f"replica efficiency with {count} replicas >= {TARGET_REPLICA_EFFICIENCY}"))
-    targets.append(_target(out["redis_added_p99_ms"], ping_p99 and ping_p99 + TARGET_REDIS_SLACK_MS, "max",
-                           f"Redis added p99 at {first} req/s <= PING p99 + {TARGET_REDIS_SLACK_MS} ms"))
-    out["targets"] = targets
-    out["targets_met"] = all(t["met"] for t in targets if t["met"] is not None)
+    out["targets"] = targets(out, ping_p99)
+    out["targets_met"] = all(t["met"] for t in out["targets"].values() if t["met"] is not None)
+    return out
+
+
+def _made_up_run(key: str, phase: str, rep: int) -> dict[str, Any]:
+    """A run as ``wrk`` reports it, of made-up figures (``dry_run``): every configuration a little slower
+    and costlier than the one before it in ``CONFIGS``."""
+    rank = CONFIGS.index(key) + 1
+    requests = (20_000 if phase == "closed" else int(phase) * 10) // rank
+    replicas = int(key[-1]) if key[-1].isdigit() else 1
+    servers = {"noop": 0.4 * rank} if key.startswith("noop") else {
+        f"extproc-{i + 1}": 0.5 * rank * (1 + 0.1 * rep * (replicas > 1)) for i in range(replicas)}
+    processes = {"envoy": 0.3} if key == "envoy" else {"envoy": 0.6, **servers}
+    cpu = {name: seconds_per_1000 * requests / 1000 for name, seconds_per_1000 in processes.items()}
+    latency = {"p50": 0.3 * rank + 0.01 * rep, "p90": 0.6 * rank, "p99": 0.9 * rank + 0.02 * rep,
+               "max": 5.0 * rank}
+    return {"rep": rep, "requests": requests, "req_per_s": requests / 10, "latency_ms": latency, "non2xx": 0,
+            "errors": {"connect": 0, "read": 0, "write": 0, "timeout": 0, "status": 0},
+            "cpu_s": cpu, "cpu_us_per_request": {k: v / requests * 1e6 for k, v in cpu.items()},
+            "counted_cpu_us_per_request": sum(v for k, v in cpu.items() if counted(k)) / requests * 1e6,
+            "machine_busy": 0.5, "machine_steal": 0.0}
+
+
+def dry_run(rates: list[int], reps: int) -> dict[str, Any]:
+    """``compare``'s figures over made-up runs of every configuration, no process started: what
+    overhead.json's keys and targets look like, checked (a ValueError names what is missing)."""
+    summary = {}
+    for key in CONFIGS:
+        cfg = Config(key, 0, 0)
+        for rep in range(reps):
+            for phase in [*map(str, rates), "closed"]:
+                cfg.runs.setdefault(phase, []).append(_made_up_run(key, phase, rep))
+        summary[key] = summarize(cfg, rates)
+    pings = [{"p50_ms": 0.2, "p99_ms": 0.4, "max_ms": 1.0, "n": 1000, "rep": rep} for rep in range(reps)]
+    out = compare(summary, rates, pings)
+    missing = [f"targets.{name}" for name in TARGETS if name not in out["targets"]]
+    missing += [f"targets.{name}.{field}" for name, t in out["targets"].items()
+                for field in ("value", "bound", "met") if field not in t]
+    missing += [f"{figure}.{key}" for figure in ("added_ms", "added_ms_500")
+                for key in ("extproc_edge", "noop", "noop_response") if out[figure].get(key) is None]
+    if missing or set(out["targets"]) != set(TARGETS):
+        raise ValueError(f"overhead.json's shape: missing or unexpected {missing or sorted(out['targets'])}")
     return out
 
 
@@ -783,7 +865,7 @@ def plot(result: dict[str, Any], path: Path) -> bool:
                  + ", ".join(f"{n}: {v:.2f}" for n, v in eff.items() if v is not None), fontsize=9)
     ax.legend(fontsize=8)
     machine = result["machine"]
-    met = sum(1 for t in result["targets"] if t["met"])
+    met = sum(1 for t in result["targets"].values() if t["met"])
     fig.suptitle(f"extproc overhead — {machine['nproc']} cores, envoy --concurrency 1, "
                  f"median of {result['parameters']['reps']} reps, {machine['date']}; "
                  f"targets met {met}/{len(result['targets'])}; Redis PING p99 "
@@ -822,10 +904,9 @@ def print_table(result: dict[str, Any]) -> None:
           f"Redis added p99 {result['redis_added_p99_ms']} ms; "
           f"replica efficiency {result['replica_efficiency']}; throughput extproc_edge/noop "
           f"{result['throughput_ratio_vs_noop']}")
-    for t in result["targets"]:
+    for name, t in result["targets"].items():
         mark = {True: "met", False: "NOT met", None: "n/a"}[t["met"]]
-        bound = t.get("max", t.get("min"))
-        print(f"  {mark:8} {t['what']}: {t['value']} (bound {bound})")
+        print(f"  {mark:8} {name:18} {TARGETS[name]}: {t['value']} (bound {t['bound']})")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -947,7 +1028,9 @@ def run(params: Params, keys: list[str], out_dir: Path, keep: bool, quick: bool)
             "throughput_ratio_vs_noop": "closed-loop max req/s of extproc_edge / of noop (medians)",
             "replica_efficiency": "requests per extproc CPU-second (all replicas' user+system CPU, over "
                                   "the paced runs) with N replicas sharing Redis / the same with one replica "
-                                  "on Redis (extproc_edge_redis)",
+                                  "on Redis (extproc_edge_redis), in each repetition; the median over "
+                                  "repetitions (each in replica_efficiency_by_rep)",
+            "targets": TARGETS,
             "redis_added_p99_ms": "p99 at the first rate of extproc_edge_redis minus extproc_edge "
                                   "(memory store)",
             "redis_ping_p99_ms": "p99 of PING round trips from redis-py's asyncio client (hiredis parser "
@@ -998,6 +1081,9 @@ def main() -> None:
                         help="no new repetition starts after this many seconds (780)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 1 repetition, 3 s paced, 2 s closed loop")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="start nothing: compute the figures and targets from made-up runs and check "
+                             "their shape (with --quick: one repetition)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="output directory (bench/results)")
     parser.add_argument("--keep", action="store_true", help="keep the process logs (printed path)")
     args = parser.parse_args()
@@ -1012,6 +1098,12 @@ def main() -> None:
                     extproc_log_level=args.extproc_log_level, time_limit=args.time_limit)
     if args.quick:
         params.duration, params.throughput_duration, params.reps, params.pings, params.idle = 3, 2, 1, 300, 2
+    if args.dry_run:
+        compared = dry_run(params.rates, params.reps)
+        print(json.dumps({k: compared[k] for k in ("added_ms", "added_ms_500", "replica_efficiency",
+                                                    "targets", "targets_met")}, indent=1))
+        print("shape ok (made-up figures: nothing was measured)")
+        return
     # SIGTERM / SIGHUP must unwind like Ctrl-C so the stack's finally stops every process.
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGHUP, _interrupt)

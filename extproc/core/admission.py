@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping
 from extproc.core.decision import Decision, Outcome, Reason, State, Ticket
 from extproc.core.drain import Returns, Told
 from extproc.core.estimate import Estimator, Job
-from extproc.core.lanes import Lanes, LaneView
+from extproc.core.lanes import LanePressure, Lanes, LaneView
 from extproc.core.queue import Entry
 from extproc.core.saturation import Effect
 from extproc.core.timers import Timers
@@ -336,8 +336,12 @@ class Scheduler:
         return self._lanes.snapshot()
 
     def lane_view(self, name: str) -> LaneView | None:
-        """One lane's view (None for a lane the scheduler does not have): what the edge asks per request."""
+        """One lane's view (None for a lane the scheduler does not have)."""
         return self._lanes.lane_view(name)
+
+    def lane_pressure(self, name: str) -> LanePressure | None:
+        """One lane's load as the edge reads it, on every request (None for a lane it does not have)."""
+        return self._lanes.pressure(name)
 
     def _prune_retired(self) -> None:
         """Forget retired lanes once their last request is gone."""

@@ -9,6 +9,11 @@ resolved, slashes merged, query dropped. Envoy normalizes paths itself when its
 connection manager is told to (the shipped configs do); doing it here as well means
 ``/v1/chat/%63ompletions`` cannot dodge a rule for ``/v1/chat/completions`` behind a
 gateway that does not.
+
+A classification is a pure function of the method, the path without its query, the model and
+the trusted headers' values, and requests repeat a few of those: each :class:`Classifier`
+remembers its answers by them (at most ``_KEPT``, none whose key is longer than ``_KEY_CHARS``:
+paths and header values are the client's choice; all forgotten at once when full).
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ from extproc.policy.schema import Match, Policy
 
 #: The prefix of the headers extproc sets itself; a client's own are dropped unless trusted.
 HEADER_PREFIX = "x-extproc-"
+#: The most classifications a classifier remembers, and the longest key it keeps one for.
+_KEPT = 4096
+_KEY_CHARS = 1024
 
 
 def normalize_path(raw: str) -> str:
@@ -72,6 +80,9 @@ class Classifier:
             for i, rule in enumerate(policy.classification.rules)
             if rule.match.path_regex is not None
         }
+        #: The headers a classification may read, in a fixed order (the memo's key has their values).
+        self._read = tuple(sorted(self._trusted))
+        self._known: dict[tuple[str | None, ...], Classification] = {}
 
     def trusted(self, name: str) -> bool:
         return name in self._trusted
@@ -85,6 +96,17 @@ class Classifier:
         return tenants.default
 
     def classify(self, facts: RequestFacts) -> Classification:
+        key = (facts.method, facts.path.partition("?")[0], facts.model, *map(facts.headers.get, self._read))
+        known = self._known.get(key)
+        if known is None:
+            known = self._classify(facts)
+            if sum(len(part) for part in key if part) <= _KEY_CHARS:
+                if len(self._known) >= _KEPT:
+                    self._known.clear()
+                self._known[key] = known
+        return known
+
+    def _classify(self, facts: RequestFacts) -> Classification:
         tenant = self.tenant(facts)
         cls = self._policy.classification
         if cls.lane_header and cls.lane_header in self._trusted:

@@ -22,7 +22,8 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from operator import attrgetter
 from typing import Protocol
 
 from extproc.core.admission import Scheduler
@@ -30,6 +31,7 @@ from extproc.core.budget import BucketVerdict, Budget, Refill
 from extproc.core.decision import ANY_LANE, Reason, Rejection, reject
 from extproc.core.drain import Told
 from extproc.core.intake import Intake
+from extproc.core.lanes import LanePressure
 from extproc.core.retry import retry_after
 from extproc.core.retry_budget import is_retry
 from extproc.policy.ratelimit import RateLimit, TenantLimit
@@ -40,6 +42,8 @@ from extproc.policy.schema import Lane, Policy
 REQUEST_ID = "request_id"
 #: Descriptor entries that are not request headers.
 NOT_HEADERS = frozenset({"generic_key", "method", "path", REQUEST_ID})
+#: Entries never part of what the edge remembers of an arrival.
+_NOT_KEYED = frozenset({"generic_key", REQUEST_ID})
 #: Distinct arrival descriptors whose classification the edge keeps (all forgotten once full).
 _ARRIVAL_KEY_BYTES = 1024
 _ARRIVALS_KEPT = 4096
@@ -47,33 +51,12 @@ _ARRIVALS_KEPT = 4096
 UNLIMITED = 2**32 - 1
 
 
+def _no_weight(name: str) -> float:
+    return 1.0  # (never asked: the intake of a policy comes first, and its weights with it)
+
+
 #: Reasons that are a tenant's budget, not a lane's pressure.
 _BUDGETS = frozenset({Reason.TENANT_REQUESTS, Reason.TENANT_TOKENS})
-
-
-@dataclass(frozen=True, slots=True)
-class LanePressure:
-    """A lane's load as the edge sees it."""
-
-    queued: int
-    max_queued: int
-    inflight: int
-    limit: int
-    """The in-flight limit in force (saturation may have shrunk it)."""
-    slot_free: bool = True
-    """Whether one more request of this lane could start now, by the scheduler's own rule."""
-    shed_by: str | None = None
-    """What sheds this lane under saturation (None: not shed)."""
-    signal: str | None = None
-    """The signal that made it shed, for logs."""
-    closed: bool = False
-    """Closed by policy: every request is rejected."""
-    paused: bool = False
-    """Paused by an operator: nothing starts, requests queue until their deadline."""
-    shadow: bool = False
-    """The lane only observes (policy or lane shadow mode): the edge must not block it either."""
-    tenants: Mapping[str, int] = field(default_factory=dict)
-    """Queued requests by tenant (for fair shares of a full queue)."""
 
 
 class Pressure(Protocol):
@@ -110,15 +93,8 @@ class SchedulerPressure:
         return self._scheduler.policy
 
     def lane(self, name: str) -> LanePressure | None:
-        # One lane, not the whole snapshot: the edge asks on every request.
-        scheduler = self._scheduler
-        view = scheduler.lane_view(name)
-        if view is None:
-            return None
-        return LanePressure(queued=view.queued, max_queued=view.max_queued, inflight=view.inflight,
-                            limit=view.effective_limit, slot_free=scheduler.admissible(name),
-                            shed_by=view.shed_by, signal=view.shed_signal, closed=view.closed,
-                            paused=view.paused, shadow=view.shadow, tenants=view.tenants)
+        # One lane, not the whole snapshot, nor even its whole view: the edge asks on every request.
+        return self._scheduler.lane_pressure(name)
 
     def drain_s(self, lane: str) -> float:
         # The same drain as the scheduler's own rejections: the edge and ext_proc answer alike.
@@ -160,15 +136,15 @@ def may_crowd(tenant: str, queued: Mapping[str, int], weight: Callable[[str], fl
 
 def lane_check(name: str, lane: Lane, pressure: LanePressure, *, tenant: str, weight: Callable[[str], float],
                queue_share: float, shed_saturated: bool, retry_max_s: float,
-               drain_s: Callable[[], float], claimed: Callable[[], bool] | None = None) -> Check:
+               drain_s: Callable[[str], float], claimable: Callable[[str, str], bool] | None = None) -> Check:
     """Whether the edge sheds ``tenant``'s request to ``lane`` under ``pressure``.
 
     The lane's room is its slots plus the queue places before the edge sheds
     (``queue_share`` of ``max_queued``, rounded up). A full queue sheds only if no slot is
     free either (the scheduler's verdict), and only a tenant that already holds its fair
-    share of the queue, nor a returning retry that holds a booking (``claimed``: ext_proc gives it
-    its kept place; asked only when the lane would shed otherwise, as asking takes the booking's
-    one pass). ``drain_s`` is called only for a full lane.
+    share of the queue, nor a returning retry that holds a booking (``claimable(name, tenant)``:
+    ext_proc gives it its kept place; asked only when the lane would shed otherwise, as asking takes
+    the booking's one pass). ``drain_s(name)`` is called only for a full lane.
     """
     threshold = math.ceil(queue_share * pressure.max_queued)
     room = pressure.limit + threshold
@@ -178,10 +154,11 @@ def lane_check(name: str, lane: Lane, pressure: LanePressure, *, tenant: str, we
         return Check(True, Reason.LANE_CLOSED, label, room, None, 0, retry_max_s)
     if shed_saturated and pressure.shed_by is not None:
         return Check(True, Reason.SATURATED, label, room, None, 0, retry_max_s)
-    crowds = pressure.max_queued > 0 and may_crowd(tenant, pressure.tenants, weight)
-    if (not pressure.slot_free and pressure.queued >= threshold and not crowds
-            and not (claimed is not None and claimed())):
-        drain = drain_s()
+    # (Whether the tenant may crowd in is asked only of a lane that is full otherwise.)
+    if (not pressure.slot_free and pressure.queued >= threshold
+            and not (pressure.max_queued > 0 and may_crowd(tenant, pressure.tenants, weight))
+            and not (claimable is not None and claimable(name, tenant))):
+        drain = drain_s(name)
         wait = drain if math.isfinite(drain) and drain > 0 else 0.0
         return Check(True, Reason.QUEUE_FULL, label, room, None, 0, wait)
     return Check(False, None, label, room, None, remaining, 0.0)
@@ -220,9 +197,13 @@ class Judgement:
         return all(c.reason is None or c.reason.retry_helps for c in self.over)
 
 
+_RESET = attrgetter("reset_s")
+_REMAINING = attrgetter("remaining")
+
+
 def judge(lane: str, tenant: str, checks: list[Check], *, shadow: bool = False) -> Judgement:
     over = tuple(c for c in checks if c.over)
-    status = max(over, key=lambda c: c.reset_s) if over else min(checks, key=lambda c: c.remaining)
+    status = max(over, key=_RESET) if over else min(checks, key=_REMAINING)
     return Judgement(lane, tenant, status, over, shadow)
 
 
@@ -288,6 +269,7 @@ class Edge:
         #: ``request``'s answers for arrival descriptors seen under the current intake.
         self._arrivals: dict[tuple[tuple[str, str], ...], tuple[str, list[str]]] = {}
         self._lanes: dict[str, Lane] = {}
+        self._weight: Callable[[str], float] = _no_weight
 
     def _intake_of(self, policy: Policy) -> Intake:
         intake = self._intake
@@ -295,6 +277,12 @@ class Edge:
             intake = self._intake = Intake(policy)
             self._arrivals.clear()
             self._lanes = {lane.name: lane for lane in policy.lanes}
+            weights, default = policy.tenants.weights, policy.tenants.default_weight
+
+            def weight(name: str) -> float:
+                return weights.get(name, default)
+
+            self._weight = weight
         return intake
 
     def arrival(self, entries: Mapping[str, str]) -> tuple[str, list[str]]:
@@ -305,9 +293,10 @@ class Edge:
         # Classification reads the path without its query: so does the key. A key longer than
         # _ARRIVAL_KEY_BYTES (client-chosen paths and header values) is classified, not kept: the
         # memo holds at most _ARRIVALS_KEPT small keys.
-        # The request id (a descriptor's own, with --edge call) is unique per request: never in the key.
+        # The request id (a descriptor's own, with --edge call) is unique per request: never in the key;
+        # nor the generic key, the same for every arrival (judged inline, the entries come without it).
         key = tuple((k, v.split("?", 1)[0]) if k == "path" else (k, v) for k, v in entries.items()
-                    if k != REQUEST_ID)
+                    if k not in _NOT_KEYED)
         known = self._arrivals.get(key)
         if known is None:
             known = self.request(entries)
@@ -349,33 +338,29 @@ class Edge:
         """Everything about one arrival but its tenant's budgets: its lanes' checks, and the budget
         operations it needs (``asks``, in order), for this edge's budgets or a shared store."""
         self._sized(config)
-        policy = self.pressure.policy
+        source = self.pressure
+        policy = source.policy
         tenant, candidates = self.arrival(entries)
-        weights, default = policy.tenants.weights, policy.tenants.default_weight
         # A retry (the retry budget's header, sent in the descriptor) may hold a booking on its
         # lane's return schedule: the edge lets it through for ext_proc to claim.
         retry = is_retry(entries, policy.retry_budget.header)
-
-        def weight(name: str) -> float:
-            return weights.get(name, default)
-
         checks: list[Check] = []
         # A request that may land in a lane that only observes must not be blocked here either.
         shadow = config.mode == "shadow"
         lane_checks: list[Check] = []
         configs = self._lanes
         for name in candidates:
-            pressure = self.pressure.lane(name)
+            pressure = source.lane(name)
             config_of_lane = configs.get(name)
             if pressure is None or config_of_lane is None:
                 continue
             # A paused lane holds its requests even in shadow mode, as ext_proc does.
             shadow = shadow or (pressure.shadow and not pressure.paused)
             lane_checks.append(lane_check(
-                name, config_of_lane, pressure, tenant=tenant, weight=weight, queue_share=config.queue_share,
-                shed_saturated=config.shed_saturated, retry_max_s=policy.retry_after.max,
-                drain_s=lambda name=name: self.pressure.drain_s(name),  # type: ignore[misc]
-                claimed=(lambda name=name: self.pressure.claimable(name, tenant)) if retry else None))  # type: ignore[misc]
+                name, config_of_lane, pressure, tenant=tenant, weight=self._weight,
+                queue_share=config.queue_share, shed_saturated=config.shed_saturated,
+                retry_max_s=policy.retry_after.max, drain_s=source.drain_s,
+                claimable=source.claimable if retry else None))
         if lane_checks:
             # Shed only if every lane the request could land in sheds; else report one that has room.
             open_lanes = [c for c in lane_checks if not c.over]

@@ -24,6 +24,31 @@ from extproc.policy.schema import Lane, Policy
 
 
 @dataclass(frozen=True, slots=True)
+class LanePressure:
+    """A lane's load as the edge sees it."""
+
+    queued: int
+    max_queued: int
+    inflight: int
+    limit: int
+    """The in-flight limit in force (saturation may have shrunk it)."""
+    slot_free: bool = True
+    """Whether one more request of this lane could start now, by the scheduler's own rule."""
+    shed_by: str | None = None
+    """What sheds this lane under saturation (None: not shed)."""
+    signal: str | None = None
+    """The signal that made it shed, for logs."""
+    closed: bool = False
+    """Closed by policy: every request is rejected."""
+    paused: bool = False
+    """Paused by an operator: nothing starts, requests queue until their deadline."""
+    shadow: bool = False
+    """The lane only observes (policy or lane shadow mode): the edge must not block it either."""
+    tenants: Mapping[str, int] = field(default_factory=dict)
+    """Queued requests by tenant (for fair shares of a full queue)."""
+
+
+@dataclass(frozen=True, slots=True)
 class LaneView:
     inflight: int
     limit: int
@@ -404,6 +429,21 @@ class Lanes:
     def lane_view(self, name: str) -> LaneView | None:
         """One lane's view (None for a lane it does not have): what the edge asks per request."""
         return self._view(name) if name in self.inflight else None
+
+    def pressure(self, name: str) -> LanePressure | None:
+        """One lane's load as the edge reads it (None for a lane it does not have)."""
+        tickets = self.inflight.get(name)
+        if tickets is None:
+            return None
+        lane = self.configs[name]
+        queue = self.queues[name]
+        effect = self.effects.get(name)
+        return LanePressure(
+            queued=len(queue), max_queued=lane.max_queued, inflight=len(tickets),
+            limit=0 if name in self.retired else self.limits[name], slot_free=self.admits(lane),
+            shed_by=effect.shed_by if effect is not None else None,
+            signal=effect.signal if effect is not None else None, closed=lane.closed,
+            paused=name in self.paused, shadow=self.shadowed(name), tenants=queue.tenants())
 
     def _view(self, name: str) -> LaneView:
         tickets = self.inflight[name]

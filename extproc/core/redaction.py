@@ -9,6 +9,12 @@ opaque string — is logged as ``h:`` and the first 16 hex digits of an HMAC-SHA
 process's log key. A replay classifies the hash like any unknown value (it matches no rule and
 is its own tenant), so lanes and tenants replay alike; with ``--log-key-file`` shared by every
 replica, the same value hashes the same everywhere and across restarts.
+
+Every decision line shows its request's tenant and trusted headers, so what a value is logged as is
+remembered, per header and value (a pure function of them, the policy and the key): the same few
+tenants and lanes come again and again. The values come from clients, so the memory is bounded: at
+most ``_KEPT`` of them, none longer than ``MAX_SHOWN`` (a longer one is worked out anew each time),
+all forgotten at once when full.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ _SCHEMES = re.compile(r"^(bearer|basic|digest|token|apikey)\s", re.IGNORECASE)
 _KEY_PREFIXES = ("sk-", "sk_", "pk-", "pk_", "rk_", "ghp_", "gho_", "github_pat_", "xoxb-", "xoxp-", "aiza",
                  "eyj")  # the last: a JWT
 _OPAQUE = re.compile(r"^[A-Za-z0-9+/=_.\-~]{24,}$")
+#: The most values a redactor remembers how to log.
+_KEPT = 4096
 
 
 def looks_secret(value: str) -> bool:
@@ -63,16 +71,34 @@ class Redactor:
                 known.setdefault(tenants.header, set()).update(rule.match.tenants)
         self._known = {name: frozenset(values) for name, values in known.items()}
         self._tenants = self._known.get(tenants.header or "", frozenset())
+        #: What a (header, value) is logged as; a tenant's entry has the header None.
+        self._shown: dict[tuple[str | None, str], str] = {}
 
     def value(self, header: str, value: str) -> str:
-        if value in self._known.get(header, ()) or (len(value) <= MAX_SHOWN and not looks_secret(value)):
-            return value
-        return self.hashed(value)
+        shown = self._shown.get((header, value))
+        if shown is None:
+            shown = value if value in self._known.get(header, ()) or not self._hides(value) \
+                else self.hashed(value)
+            self._keep((header, value), shown)
+        return shown
 
     def tenant(self, tenant: str) -> str:
-        if tenant in self._tenants or (len(tenant) <= MAX_SHOWN and not looks_secret(tenant)):
-            return tenant
-        return self.hashed(tenant)
+        shown = self._shown.get((None, tenant))
+        if shown is None:
+            shown = tenant if tenant in self._tenants or not self._hides(tenant) else self.hashed(tenant)
+            self._keep((None, tenant), shown)
+        return shown
+
+    @staticmethod
+    def _hides(value: str) -> bool:
+        return len(value) > MAX_SHOWN or looks_secret(value)
+
+    def _keep(self, key: tuple[str | None, str], shown: str) -> None:
+        if len(key[1]) > MAX_SHOWN:
+            return
+        if len(self._shown) >= _KEPT:
+            self._shown.clear()
+        self._shown[key] = shown
 
     def headers(self, headers: Mapping[str, str], names: tuple[str, ...]) -> dict[str, str]:
         """The ``names`` present in ``headers``, each value as a log may show it."""

@@ -74,17 +74,22 @@ class Plan:
     """Ask the model server for the stream's usage on the client's behalf (rewrite its body)."""
 
 
+#: The plan for a tenant with no token budget (most requests): nothing to record, nothing to ask.
+NOTHING = Plan(False, False)
+
+
 def plan(config: RateLimit, tenant: str, path: str, headers: Mapping[str, str],
          body: BodyFacts | None) -> Plan:
     """What ext_proc does about an admitted request's token usage: only for a tenant with a token
     budget; the body is rewritten only when enforcing, for a streamed completion that did not ask,
     in plain (not encoded) JSON, behind a proxy that says it strips the event again."""
-    record = config.mode != "off" and config.budgets.of(tenant).tokens is not None
-    ask = (record and config.ask_usage and config.mode == "enforce" and body is not None and body.stream
+    if config.mode == "off" or config.budgets.of(tenant).tokens is None:
+        return NOTHING
+    ask = (config.ask_usage and config.mode == "enforce" and body is not None and body.stream
            and not body.usage_asked and path.split("?", 1)[0].endswith("/completions")
            and headers.get(FILTER_HEADER) == "1"
            and headers.get("content-encoding", "identity").strip().lower() in ("", "identity"))
-    return Plan(record, ask)
+    return Plan(True, ask)
 
 
 def ask_for_usage(body: bytes, facts: BodyFacts) -> bytes | None:

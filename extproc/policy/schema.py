@@ -155,7 +155,8 @@ class Estimation(_Strict):
     """auto: read the JSON body only when a rule matches on models or costs differ per model."""
     max_body_bytes: Annotated[int, Field(ge=1024, le=64 * 1024 * 1024)] = 1024 * 1024
     body_timeout: Annotated[Duration, Field(gt=0, le=600)] = 10.0
-    """How long a request whose body is read may take to send it (then 408 body_timeout)."""
+    """How long a request whose body is read may take to send it (then 408 body_timeout, noticed within
+    an eighth of it: servers/deadlines.py)."""
     max_slow_bodies: Annotated[int, Field(ge=0, le=1_000_000)] = 64
     """Requests one client (source address) may have waiting more than a second for their body;
     beyond it new ones get 429 slow_bodies (0: no cap)."""

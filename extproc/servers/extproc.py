@@ -25,11 +25,12 @@ reliable "finished" signal, so the slot is released in ``finally``, once.
 from __future__ import annotations
 
 import asyncio
+import math
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import grpc
 import structlog
@@ -37,7 +38,6 @@ from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from envoy.service.ratelimit.v3 import rls_pb2
 from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf.duration_pb2 import Duration
 
@@ -46,13 +46,16 @@ from extproc.core.body import BodyFacts
 from extproc.core.classify import Classification
 from extproc.core.decision import ANY_LANE, Decision, Outcome, Reason, Rejection, Ticket, reject
 from extproc.core.intake import EDGE_HEADER, JUDGED_HEADER, Head, Intake
+from extproc.core.machine import UNLIMITED, Check
 from extproc.core.overload import ARRIVAL_HEADER, SHED_STATUS, OverloadGuard
 from extproc.core.redaction import Redactor
 from extproc.core.saturation import Effect
 from extproc.core.usage import NAMESPACE, admission_metadata, ask_for_usage, plan
+from extproc.log import Lines
+from extproc.servers.deadlines import Deadlines
 
 if TYPE_CHECKING:
-    from extproc.servers.ratelimit import RateLimitService
+    from extproc.servers.ratelimit import Inline, RateLimitService
 
 #: Envoy must never time out a hold before extproc answers it: the override carries this margin.
 HOLD_MARGIN_S = 2.0
@@ -153,14 +156,14 @@ def _client_of(request: pb.ProcessingRequest) -> str | None:
     return host.rpartition(":")[0] if host.count(":") == 1 else host
 
 
-_NO_LIMITS: list[tuple[str, str]] = []
+Headers = tuple[tuple[str, str], ...]
+_NO_LIMITS: Headers = ()
 
 
-def _immediate(rejection: Rejection, reason: Reason, limits: list[tuple[str, str]] = _NO_LIMITS
-               ) -> pb.ProcessingResponse:
+def _immediate(rejection: Rejection, reason: Reason, limits: Headers = _NO_LIMITS) -> pb.ProcessingResponse:
     """A refusal; ``limits``: the edge's x-ratelimit-* headers (the ratelimit filter, in front of ext_proc,
     puts them on every response that passes it, ext_proc's own refusals included)."""
-    headers = [*rejection.headers, *limits] if limits else rejection.headers
+    headers = rejection.headers + limits
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
         status=HttpStatus(code=rejection.status),
         headers=pb.HeaderMutation(set_headers=[_header(k, v) for k, v in headers]),
@@ -171,50 +174,107 @@ def _immediate(rejection: Rejection, reason: Reason, limits: list[tuple[str, str
 
 #: on_headers' word that the edge is to judge the request first (Process awaits it, then after_edge).
 _JUDGE_EDGE = pb.ProcessingResponse()
-#: Seconds per rate limit unit, as Envoy's ratelimit filter reads them (UNKNOWN: no window).
-_WINDOWS = {rls_pb2.RateLimitResponse.RateLimit.SECOND: 1, rls_pb2.RateLimitResponse.RateLimit.MINUTE: 60,
-            rls_pb2.RateLimitResponse.RateLimit.HOUR: 3600, rls_pb2.RateLimitResponse.RateLimit.DAY: 86400}
+#: Seconds per rate limit unit, as Envoy's ratelimit filter reads them (none: no window).
+_WINDOWS = {"second": 1, "minute": 60, "hour": 3600, "day": 86400}
 #: gRPC clients shed at the edge get RESOURCE_EXHAUSTED (the filter's rate_limited_as_resource_exhausted).
 _RESOURCE_EXHAUSTED = 8
 
 
-def _ratelimit_headers(answer: rls_pb2.RateLimitResponse) -> list[tuple[str, str]]:
+def _ratelimit_headers(statuses: Sequence[Check]) -> Headers:
     """The x-ratelimit-limit / -remaining / -reset headers Envoy's ratelimit filter adds for an answer's
-    statuses (``enable_x_ratelimit_headers: DRAFT_VERSION_03``): the status with the fewest remaining,
-    then each windowed limit's quota policy."""
+    statuses (``enable_x_ratelimit_headers: DRAFT_VERSION_03``), each as the rate limit service reports
+    it (``servers/ratelimit.py``: counts within 32 bits, the reset in whole seconds rounded up): the
+    status with the fewest remaining, then each windowed limit's quota policy."""
     least = None
     policy = ""
-    for status in answer.statuses:
-        if not status.HasField("current_limit"):
-            continue
-        if least is None or status.limit_remaining < least.limit_remaining:
+    for status in statuses:
+        if status.limit <= 0:
+            continue  # (reported with no limit: the filter skips it)
+        if least is None or min(status.remaining, UNLIMITED) < min(least.remaining, UNLIMITED):
             least = status
-        limit = status.current_limit
-        window = _WINDOWS.get(limit.unit, 0)
+        window = _WINDOWS.get(status.unit or "", 0)
         if window:
-            policy += f", {limit.requests_per_unit};w={window}"
-            if limit.name:
-                policy += f';name="{limit.name}"'
+            policy += f", {min(status.limit, UNLIMITED)};w={window}"
+            if status.name:
+                policy += f';name="{status.name}"'
     if least is None:
         return _NO_LIMITS
-    return [("x-ratelimit-limit", f"{least.current_limit.requests_per_unit}{policy}"),
-            ("x-ratelimit-remaining", str(least.limit_remaining)),
-            ("x-ratelimit-reset", str(least.duration_until_reset.seconds))]
+    reset = least.reset_s
+    return (("x-ratelimit-limit", f"{min(least.limit, UNLIMITED)}{policy}"),
+            ("x-ratelimit-remaining", str(min(least.remaining, UNLIMITED))),
+            ("x-ratelimit-reset", str(min(math.ceil(reset), UNLIMITED) if math.isfinite(reset) and reset > 0
+                                      else 0)))
 
 
-def _edge_shed(answer: rls_pb2.RateLimitResponse, limits: list[tuple[str, str]]) -> pb.ProcessingResponse:
+def _edge_shed(rejection: Rejection, limits: Headers) -> pb.ProcessingResponse:
     """The edge's refusal as Envoy's ratelimit filter answers OVER_LIMIT: 429, x-envoy-ratelimited,
     the service's headers and body, the x-ratelimit-* headers."""
-    added = ((h.key, h.raw_value.decode() if h.raw_value else h.value)
-             for h in answer.response_headers_to_add)
-    headers = [("x-envoy-ratelimited", "true"), *added, *limits]
+    headers = (("x-envoy-ratelimited", "true"), *rejection.headers, *limits)
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
         status=HttpStatus(code=429),
         headers=pb.HeaderMutation(set_headers=[_header(k, v) for k, v in headers]),
-        body=answer.raw_body,
+        body=rejection.body,
         details="request_rate_limited",
         grpc_status=pb.GrpcStatus(status=_RESOURCE_EXHAUSTED),
     ))
+
+
+K = TypeVar("K", bound=Hashable)
+
+
+class _Answers(Generic[K]):
+    """Answers built once per distinct key and shared by every stream (never mutated): the same few
+    recur (lanes, tenants, predictions, limits), but the keys hold client-chosen values, so at most
+    ``KEPT`` are kept, all forgotten at once when full."""
+
+    KEPT = 1024
+    __slots__ = ("_build", "_kept")
+
+    def __init__(self, build: Callable[[K], pb.ProcessingResponse]) -> None:
+        self._build = build
+        self._kept: dict[K, pb.ProcessingResponse] = {}
+
+    def __call__(self, key: K) -> pb.ProcessingResponse:
+        response = self._kept.get(key)
+        if response is None:
+            response = self._build(key)
+            if len(self._kept) >= self.KEPT:
+                self._kept.clear()
+            self._kept[key] = response
+        return response
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+
+def _with_limits(limits: Headers) -> pb.ProcessingResponse:
+    """The answer to the response headers that sets ``limits`` on them."""
+    response = pb.ProcessingResponse()
+    _continue(response.response_headers.response, [], limits)
+    return response
+
+
+def _admission(key: tuple[str, Headers]) -> pb.ProcessingResponse:
+    """An admission answered in ``phase`` (its request's headers or body) that sets ``headers`` upstream."""
+    phase, headers = key
+    response, common = _answer_in(phase)
+    _continue(common, [], headers)
+    return response
+
+
+def _answer_in(phase: str) -> tuple[pb.ProcessingResponse, pb.CommonResponse]:
+    """A new answer to the message of ``phase`` (request headers: the body skipped), and its common part."""
+    response = pb.ProcessingResponse()
+    if phase == "request_headers":
+        response.mode_override.CopyFrom(NO_BODY_MODE)
+        return response, response.request_headers.response
+    return response, response.request_body.response
+
+
+#: The response headers' answers by the limits they set.
+_RESPONSE_HEADERS = _Answers(_with_limits)
+#: Admissions that drop no header and record nothing, by phase and the headers they set.
+_ADMISSIONS = _Answers(_admission)
 
 
 class Linger:
@@ -297,7 +357,7 @@ class _Request:
         self.raw_body: bytes | None = None
         #: Judged at the edge here (the proxy's x-extproc-edge): the x-ratelimit-* headers its answer
         #: gives the response, as Envoy's ratelimit filter renders them (empty: none).
-        self.limits: list[tuple[str, str]] = _NO_LIMITS
+        self.limits: Headers = _NO_LIMITS
         #: The edge shed it: the edge logged and counted it; no decision record of ext_proc's.
         self.edge_shed = False
         #: A read begun while the request was held (ExternalProcessor._held), consumed before any new one.
@@ -333,20 +393,19 @@ class _Request:
         assert head is not None
         return self.p.intake.descriptor(head.method, head.path, head.headers)
 
-    def after_edge(self, answer: rls_pb2.RateLimitResponse | None) -> pb.ProcessingResponse | None:
+    def after_edge(self, answer: Inline | None) -> pb.ProcessingResponse | None:
         """The edge's answer (None: off or failed, so the request goes on), as Envoy's ratelimit
         filter would apply it: over the limit, its 429 now; else its x-ratelimit-* headers for the
         response, and ext_proc's own decision."""
         if answer is not None:
-            self.limits = _ratelimit_headers(answer)
-            if answer.overall_code == rls_pb2.RateLimitResponse.OVER_LIMIT:
+            if answer.status is not None:
+                self.limits = _ratelimit_headers((answer.status,))
+            if answer.shed is not None:
                 # Decided: whatever a stream sends after its refusal passes untouched (never a ticket).
                 self.edge_shed, self.outcome = True, Outcome.REJECTED
-                return _edge_shed(answer, self.limits)
-            if answer.HasField("dynamic_metadata"):
-                shadow = answer.dynamic_metadata.fields.get("shadow")
-                if shadow is not None:
-                    self.edge_shadow = shadow.string_value
+                return _edge_shed(answer.shed, self.limits)
+            if answer.shadow is not None:
+                self.edge_shadow = answer.shadow
         return self.proceed()
 
     def with_edge_shadow(self, response: pb.ProcessingResponse) -> pb.ProcessingResponse:
@@ -401,9 +460,7 @@ class _Request:
         self.status = _status_of(message)
         if not self.limits:
             return _RESPONSE_HEADERS_PASSTHROUGH
-        response = pb.ProcessingResponse()
-        _continue(response.response_headers.response, [], self.limits)
-        return response
+        return _RESPONSE_HEADERS(self.limits)
 
     def on_body(self, message: pb.HttpBody) -> pb.ProcessingResponse | None:
         """The answer to a body chunk, or None when the request is to be decided on this one."""
@@ -447,28 +504,25 @@ class _Request:
         if decision.outcome is not Outcome.ADMITTED:
             return self._reject(decision)
         t = decision.ticket
-        response = pb.ProcessingResponse()
-        if phase == "request_headers":
-            common = response.request_headers.response
-            response.mode_override.CopyFrom(NO_BODY_MODE)
-        else:
-            common = response.request_body.response
-        headers = [
+        headers: Headers = (
             ("x-extproc-lane", t.lane),
             ("x-extproc-tenant", t.tenant),
             ("x-extproc-queue-ms", str(round(t.queue_wait * 1000))),
             ("x-extproc-predicted-ms", str(round(t.predicted * 1000))),
-        ]
+        )
         if decision.shadow is not None:
             # Lets the backend's own logs show what enforcing would have done.
             would = decision.shadow.value + (f"; reason={decision.reason.value}" if decision.reason else "")
-            headers.append(("x-extproc-shadow", would))
+            headers += (("x-extproc-shadow", would),)
         head = self.head
         remove = self.remove
         # (The proxy's own x-extproc-usage-filter never reaches the backend: the shipped routes drop
         # it, so no request pays for removing it here.)
         usage = plan(self.p.controller.policy.ratelimit, t.tenant, head.path, head.headers,
                      self.body) if head is not None else None
+        if (usage is None or not usage.record) and not remove:
+            return _ADMISSIONS((phase, headers))  # (the usual case: an answer with nothing of its own)
+        response, common = _answer_in(phase)
         if usage is None or not usage.record:
             _continue(common, remove, headers)
             return response
@@ -589,7 +643,7 @@ class _Request:
             # Client-sent x-extproc-* headers extproc had to drop itself: a gateway that strips them
             # first (the shipped configs do) never lets one through.
             fields["stripped"] = self.remove
-        self.p.log.info("decision", **fields)
+        self.p.records.info("decision", **fields)
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -609,6 +663,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         # A bound logger of our own (made after logging is configured): the module-level proxy
         # would resolve itself again on each of the one-per-request decision lines.
         self.log: structlog.typing.FilteringBoundLogger = log.bind()
+        #: The body reads waiting under their deadline.
+        self._deadlines = Deadlines()
+        #: Where the decision lines go: the one line per request, off structlog's chain (``log.Lines``).
+        self.records = Lines("extproc.decision")
         #: The edge, judged here for a proxy that says so (x-extproc-edge) rather than in a rate limit
         #: call of its own (None: every arrival goes on to ext_proc's decision).
         self.edge = edge
@@ -724,7 +782,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         request.pending = None
         return await pending
 
-    def _judge_edge(self, request: _Request) -> Awaitable[rls_pb2.RateLimitResponse | None]:
+    def _judge_edge(self, request: _Request) -> Awaitable[Inline | None]:
         """The edge's judgement of the request's arrival, in process (the call itself, to be awaited)."""
         assert self.edge is not None
         return self.edge.judge_inline(request.edge_entries(), request.request_id)
@@ -792,10 +850,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         """The next message while a body is awaited; None if the stream ended or the body is late
         (then ``request.waiting_body`` is still true)."""
         # Read in this task under a deadline: a task of its own for the read (ensure_future + wait)
-        # cost a Task, a future and an extra pass of the event loop on every request with a body.
+        # cost a Task, a future and an extra pass of the event loop on every request with a body; and
+        # one timer for every read rather than one each (servers/deadlines.py).
         try:
-            async with asyncio.timeout(self.controller.machine.body_timeout_s):
-                return await anext(messages)
+            return await self._deadlines.within(self.controller.machine.body_timeout_s, anext(messages))
         except TimeoutError:
             return None
         except StopAsyncIteration:

@@ -32,6 +32,7 @@ import math
 import secrets
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -41,7 +42,7 @@ from envoy.service.ratelimit.v3 import rls_pb2 as pb
 from envoy.service.ratelimit.v3 import rls_pb2_grpc as pb_grpc
 
 from extproc.core.backlog import Backlog
-from extproc.core.decision import Reason
+from extproc.core.decision import Reason, Rejection
 from extproc.core.intake import JUDGED_HEADER
 from extproc.core.machine import REQUEST_ID, UNLIMITED, BucketVerdict, BudgetAsk, Check, Judgement, Machine
 from extproc.core.redaction import Redactor
@@ -55,7 +56,7 @@ _UINT32 = UNLIMITED
 #: The most budget operations in one store call when charging usage: a script runs alone on the
 #: store, and 200 bucket operations take a few milliseconds, well within its timeout (50 ms).
 REPLAY_CHUNK = 200
-__all__ = ["SERVICE", "RateLimitService", "add_to_server"]
+__all__ = ["SERVICE", "Inline", "RateLimitService", "add_to_server"]
 
 log = structlog.get_logger("extproc.ratelimit")
 
@@ -64,6 +65,20 @@ _UNITS = {"second": _Limit.SECOND, "minute": _Limit.MINUTE, "hour": _Limit.HOUR,
 
 
 # -- the service --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Inline:
+    """The edge's answer to an arrival judged in ext_proc (``RateLimitService.judge_inline``): what the
+    ratelimit filter reads from a call's answer, without the answer."""
+
+    status: Check | None
+    """The status the answer reports, which the filter renders as ``x-ratelimit-*`` headers (None:
+    none has a limit, or shadow mode, which reports none)."""
+    shed: Rejection | None = None
+    """Over the limit: the refusal (its headers and body; the filter's own 429)."""
+    shadow: str | None = None
+    """In shadow mode, what the edge would have shed for (its reason; "" if none is known)."""
 
 
 def _entries(descriptor: Any) -> dict[str, str]:
@@ -145,33 +160,41 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
             return False
         return any(_entries(d).get("generic_key") == config.request_descriptor for d in request.descriptors)
 
-    async def judge_inline(self, entries: Mapping[str, str], request_id: str = ""
-                           ) -> pb.RateLimitResponse | None:
+    async def judge_inline(self, entries: Mapping[str, str], request_id: str = "") -> Inline | None:
         """The edge's answer to one arrival judged in ext_proc's headers phase (the proxy says so
-        with ``x-extproc-edge``: its ratelimit filter then sends no arrival descriptor): the very
-        ``decide`` the filter's call gets, for the descriptor that call would carry (``entries``: its
-        method, path and the headers the policy reads, ``Intake.descriptor``; ``request_id``: Envoy's,
-        as the call's ``request_id`` entry carries it). None: the edge is off,
-        or failed (counted and logged as a call's error); the request goes on to ext_proc's decision,
-        as the filter fails open."""
+        with ``x-extproc-edge``: its ratelimit filter then sends no arrival descriptor): what
+        ``decide`` answers the filter's call for the descriptor that call would carry (``entries``:
+        its method, path and the headers the policy reads, ``Intake.descriptor``; ``request_id``:
+        Envoy's, as the call's ``request_id`` entry carries it), judged, counted and logged alike,
+        without building the call's messages. None: the edge is off, or failed (counted and logged as a
+        call's error); the request goes on to ext_proc's decision, as the filter fails open."""
         try:
             config = self.config()
             if config.mode == "off":
                 return None
-            request = pb.RateLimitRequest(domain=config.domain)
-            add = request.descriptors.add().entries.add
-            add(key="generic_key", value=config.request_descriptor)
-            for key, value in entries.items():
-                add(key=key, value=value)
-            if request_id:
-                add(key=REQUEST_ID, value=request_id)
-            if self.store is not None:
-                return await self.decide_shared(request)
-            return self.decide(request)
+            if self.store is None:
+                return self._inline(self.machine.judge(config, entries, 1, self.now()), entries, request_id)
+            now = self.now()
+            assessment = self.machine.assess(config, entries, 1, now)
+            verdicts = await self._settle(list(assessment.asks), now) if assessment.asks else []
+            answer = self._inline(self.machine.conclude(assessment, verdicts), entries, request_id)
+            self._flush_soon()
+            return answer
         except Exception:
             self.metrics.errors.inc()
             self.log.exception("rate limit decision failed (judged in ext_proc): the request goes on")
             return None
+
+    def _inline(self, judgement: Judgement, entries: Mapping[str, str], request_id: str) -> Inline:
+        """``decide``'s answer for one arrival descriptor, as the filter reads it."""
+        self._count(judgement, entries, request_id)
+        if judgement.shadow:
+            reason = judgement.reason
+            return _NOTHING if not judgement.over else Inline(None, shadow=reason.value if reason else "")
+        status = judgement.status if judgement.status.limit > 0 else None
+        if not judgement.over:
+            return Inline(status)
+        return Inline(status, shed=self._shed([judgement]))
 
     async def decide_shared(self, request: pb.RateLimitRequest) -> pb.RateLimitResponse:
         """``decide`` with the fleet's budgets: every arrival's budget operations in one store call."""
@@ -190,11 +213,15 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
             for i, assessment in assessed:
                 judged[i] = self.machine.conclude(assessment, [next(verdicts) for _ in assessment.asks])
         response = self.decide(request, judged)
+        self._flush_soon()
+        return response
+
+    def _flush_soon(self) -> None:
+        """Send queued usage charges and the backlog in the background (``_flush``), if any."""
         if self.machine.pending_charges or (self.backlog and not self.alone):
             task = asyncio.get_running_loop().create_task(self._flush())
             self._flushing.add(task)
             task.add_done_callback(self._flushing.discard)
-        return response
 
     async def _settle(self, asks: list[BudgetAsk], now: float) -> list[BucketVerdict]:
         """``asks`` against the fleet's buckets; alone (see the module docstring) if unreachable."""
@@ -331,7 +358,7 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
             elif kind == config.request_descriptor:
                 judgement = judged[i] if judged is not None and i in judged \
                     else self.machine.judge(config, entries, _hits(request, descriptor, 1), now)
-                self._count(judgement, entries)
+                self._count(judgement, entries, entries.get(REQUEST_ID, ""))
                 if judgement.shadow:
                     if judgement.over:
                         # The access log shows it: %DYNAMIC_METADATA(envoy.filters.http.ratelimit:shadow)%.
@@ -379,7 +406,7 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
             self._redactor = Redactor(policy, self._log_key)
         return self._redactor
 
-    def _count(self, judgement: Judgement, entries: Mapping[str, str]) -> None:
+    def _count(self, judgement: Judgement, entries: Mapping[str, str], request_id: str) -> None:
         reason = judgement.reason
         code = "over_limit" if judgement.over else "ok"
         self.metrics.decisions_of(judgement.lane, code, reason.value if reason else "none",
@@ -388,7 +415,7 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
             redactor = self._redaction()
             # Like a decision record, replayable: when, where to, and the trusted headers it carried.
             # request_id: Envoy's (the descriptor's request_id entry), so the proxy's access log joins it.
-            self.log.info("edge_shed", request_id=entries.get(REQUEST_ID, ""), policy=self.policy_hash(),
+            self.log.info("edge_shed", request_id=request_id, policy=self.policy_hash(),
                           lane=judgement.lane, tenant=redactor.tenant(judgement.tenant),
                           reason=reason.value if reason else None, shadow=judgement.shadow,
                           arrival=round(time.time(), 3), method=entries.get("method", ""),
@@ -406,14 +433,22 @@ class RateLimitService(pb_grpc.RateLimitServiceServicer):  # type: ignore[misc]
 
     def _over_limit(self, response: pb.RateLimitResponse, shed: list[Judgement]) -> None:
         response.overall_code = pb.RateLimitResponse.OVER_LIMIT
+        rejection = self._shed(shed)
+        response.response_headers_to_add.extend(HeaderValue(key=k, value=v) for k, v in rejection.headers)
+        response.raw_body = rejection.body
+
+    def _shed(self, shed: list[Judgement]) -> Rejection:
+        """The refusal of an arrival some of whose descriptors are over their limits, counted."""
         answer = self.machine.shed(shed, self.now())
         if self.refused is not None:
             self.refused(answer.counted_as, answer.reason, answer.tenant)
         if answer.rule is not None and answer.lane is not None and self.metrics.saturation is not None:
             self.metrics.saturation.labels(answer.lane, answer.rule, answer.signal or "").inc()
-        rejection = answer.rejection
-        response.response_headers_to_add.extend(HeaderValue(key=k, value=v) for k, v in rejection.headers)
-        response.raw_body = rejection.body
+        return answer.rejection
+
+
+#: An arrival judged in shadow mode that would pass: nothing to report, nothing to shed.
+_NOTHING = Inline(None)
 
 
 class _Sending:

@@ -468,8 +468,8 @@ def test_decision_log_replays_in_the_simulator(env: Env, tmp_path: Path) -> None
     deadline = time.monotonic() + 10
     while True:
         log_text = extproc.output()
-        records = [json.loads(line) for line in log_text.splitlines()
-                   if line.startswith("{") and '"event": "decision"' in line]
+        records = [r for r in (json.loads(line) for line in log_text.splitlines() if line.startswith("{"))
+                   if r.get("event") == "decision"]
         if (records and records[-1]["path"] == "/interactive/4") or time.monotonic() > deadline:
             break
         time.sleep(0.05)

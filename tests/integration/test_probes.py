@@ -158,17 +158,21 @@ class Probe:
         """extproc's decision record for ``request_id`` (written when the request's stream ends)."""
         deadline = time.monotonic() + timeout
         while True:
-            for line in self.extproc_log().splitlines():
-                if line.startswith("{") and f'"request_id": "{request_id}"' in line:
-                    doc: dict[str, Any] = json.loads(line)
-                    if doc.get("event") == "decision":
-                        return doc
+            for doc in self.records(request_id):
+                if doc.get("event") == "decision":
+                    return doc
             if time.monotonic() > deadline:
                 raise AssertionError(f"no decision record for {request_id}")
             time.sleep(0.05)
 
+    def records(self, request_id: str) -> list[dict[str, Any]]:
+        """extproc's log records (JSON lines) about ``request_id``."""
+        docs = (json.loads(line) for line in self.extproc_log().splitlines()
+                if line.startswith("{") and request_id in line)
+        return [doc for doc in docs if doc.get("request_id") == request_id]
+
     def has_record(self, request_id: str) -> bool:
-        return f'"request_id": "{request_id}"' in self.extproc_log()
+        return bool(self.records(request_id))
 
 
 @pytest.fixture(scope="module")

@@ -153,7 +153,7 @@ async def make_edge(tmp_path: Path, edge_mode: str) -> AsyncIterator[MakeEdge]:
             server = grpc.aio.server()
             records: list[dict[str, Any]] = []
             processor = ExternalProcessor(controller, policy_hash=lambda: POLICY_HASH)
-            processor.log = Recorder(records)  # type: ignore[assignment]
+            processor.log = processor.records = Recorder(records)  # type: ignore[assignment]
             ext_proc_grpc.add_ExternalProcessorServicer_to_server(processor, server)
             live = Live(config or RateLimit())
             if rls:

@@ -271,3 +271,30 @@ def test_an_encoded_path_cannot_dodge_a_rule(path: str) -> None:
 
     classifier = Classifier(load_policy(Path(__file__).resolve().parents[2] / "examples" / "policy.yaml"))
     assert lane_of(classifier, path=path) == "interactive"
+
+
+def test_remembered_classifications_are_the_classifications_and_the_memory_is_bounded() -> None:
+    from extproc.core import classify
+
+    def policy() -> Policy:
+        return make_policy([{"match": {"path_prefix": "/v1/batches"}, "lane": "batch"},
+                            {"match": {"models": ["big"]}, "lane": "batch"},
+                            {"match": {"headers": {"x-priority": ["high"]}}, "lane": "interactive"}],
+                           trusted_headers=["x-priority", "x-tenant-id"],
+                           tenants={"header": "x-tenant-id"})
+
+    remembering, fresh = Classifier(policy()), Classifier(policy())
+    cases = [facts("/v1/batches?page=2"), facts("/v1/batches"), facts("/v1/chat", model="big"),
+             facts("/v1/chat", model="small"), facts("/v1/chat", headers={"x-priority": "high"}),
+             facts("/v1/chat", headers={"x-priority": "high", "x-untrusted": "x", "x-tenant-id": "acme"}),
+             facts("/v1/chat", headers={"x-priority": "low", "x-tenant-id": "globex"}),
+             facts("/v1/b%61tches")]
+    for _ in range(2):  # the second time from memory
+        for case in cases:
+            assert remembering.classify(case) == fresh._classify(case)
+    # Client-chosen paths and values: never more than _KEPT remembered, no long key.
+    for i in range(classify._KEPT + 10):
+        remembering.classify(facts(f"/v1/chat/{i}"))
+    remembering.classify(facts("/" + "a" * classify._KEY_CHARS))
+    assert 0 < len(remembering._known) <= classify._KEPT
+    assert all(len(key[1] or "") <= classify._KEY_CHARS for key in remembering._known)

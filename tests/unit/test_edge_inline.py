@@ -4,6 +4,8 @@ sockets: the answers Envoy's ratelimit filter would give, rendered by ext_proc."
 from __future__ import annotations
 
 import asyncio
+import math
+import random
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,6 +15,8 @@ from envoy.service.ratelimit.v3 import rls_pb2 as rls
 from prometheus_client import CollectorRegistry
 
 from extproc.controller import Controller
+from extproc.core.decision import Rejection
+from extproc.core.machine import UNLIMITED, Check
 from extproc.metrics import Metrics, RateLimitMetrics
 from extproc.policy import Policy
 from extproc.policy.ratelimit import RateLimit
@@ -23,38 +27,32 @@ Limit = rls.RateLimitResponse.RateLimit
 BODY = b'{"model": "m", "max_tokens": 10, "stream": true, "messages": [{"role": "user", "content": "hi"}]}'
 
 
-def status(limit: int, remaining: int, unit: Any = Limit.UNKNOWN, name: str = "", reset: int = 0
-           ) -> rls.RateLimitResponse.DescriptorStatus:
-    out = rls.RateLimitResponse.DescriptorStatus(code=rls.RateLimitResponse.OK, limit_remaining=remaining)
-    out.current_limit.requests_per_unit = limit
-    out.current_limit.unit = unit
-    out.current_limit.name = name
-    out.duration_until_reset.seconds = reset
-    return out
+def check(limit: int, remaining: int, unit: str | None = None, name: str = "", reset: float = 0.0) -> Check:
+    return Check(False, None, name, limit, unit, remaining, reset)
 
 
 def test_ratelimit_headers_as_envoys_draft_03() -> None:
-    answer = rls.RateLimitResponse(statuses=[
-        status(4, 3),  # a lane's places: no unit, so no window in the quota policy
-        status(2, 1, Limit.MINUTE, "tenant_requests", 30),
-        status(100, 50, Limit.HOUR, "tenant_tokens", 1800),
-        rls.RateLimitResponse.DescriptorStatus(code=rls.RateLimitResponse.OK),  # no limit: skipped
-    ])
-    assert _ratelimit_headers(answer) == [
+    assert _ratelimit_headers([
+        check(4, 3),  # a lane's places: no unit, so no window in the quota policy
+        check(2, 1, "minute", "tenant_requests", 29.2),
+        check(100, 50, "hour", "tenant_tokens", 1800),
+        check(0, UNLIMITED),  # no limit: skipped
+    ]) == (
         ("x-ratelimit-limit", '2, 2;w=60;name="tenant_requests", 100;w=3600;name="tenant_tokens"'),
         ("x-ratelimit-remaining", "1"),
-        ("x-ratelimit-reset", "30"),
-    ]
-    assert _ratelimit_headers(rls.RateLimitResponse(statuses=[status(2, 2)])) == [
-        ("x-ratelimit-limit", "2"), ("x-ratelimit-remaining", "2"), ("x-ratelimit-reset", "0")]
-    assert _ratelimit_headers(rls.RateLimitResponse()) == []
+        ("x-ratelimit-reset", "30"),  # whole seconds, rounded up, as the service reports them
+    )
+    assert _ratelimit_headers([check(2, 2)]) == (
+        ("x-ratelimit-limit", "2"), ("x-ratelimit-remaining", "2"), ("x-ratelimit-reset", "0"))
+    assert _ratelimit_headers([check(2**40, 2**40, reset=math.inf)]) == (
+        ("x-ratelimit-limit", str(UNLIMITED)), ("x-ratelimit-remaining", str(UNLIMITED)),
+        ("x-ratelimit-reset", "0"))
+    assert _ratelimit_headers([]) == ()
 
 
 def test_edge_shed_is_the_filters_429() -> None:
-    answer = rls.RateLimitResponse(overall_code=rls.RateLimitResponse.OVER_LIMIT, raw_body=b'{"error": {}}')
-    answer.response_headers_to_add.add(key="retry-after", value="7")
-    answer.response_headers_to_add.add(key="content-type", value="application/json")
-    shed = _edge_shed(answer, [("x-ratelimit-remaining", "0")]).immediate_response
+    rejection = Rejection(429, (("retry-after", "7"), ("content-type", "application/json")), b'{"error": {}}')
+    shed = _edge_shed(rejection, (("x-ratelimit-remaining", "0"),)).immediate_response
     assert shed.status.code == 429
     assert shed.details == "request_rate_limited"
     assert shed.grpc_status.status == 8  # RESOURCE_EXHAUSTED, as rate_limited_as_resource_exhausted
@@ -62,6 +60,125 @@ def test_edge_shed_is_the_filters_429() -> None:
     headers = [(h.header.key, h.header.raw_value) for h in shed.headers.set_headers]
     assert headers == [("x-envoy-ratelimited", b"true"), ("retry-after", b"7"),
                        ("content-type", b"application/json"), ("x-ratelimit-remaining", b"0")]
+
+
+def test_the_response_headers_answer_is_built_once_per_distinct_limits() -> None:
+    from extproc.servers import extproc
+
+    answers = extproc._RESPONSE_HEADERS
+    one = _ratelimit_headers([check(4, 3)])
+    assert answers(one) is answers(_ratelimit_headers([check(4, 3)]))
+    other = answers(_ratelimit_headers([check(4, 2)]))
+    assert headers_of(other.response_headers.response.header_mutation)["x-ratelimit-remaining"] == "2"
+    for remaining in range(answers.KEPT + 5):  # (client load decides how many: bounded)
+        answers(_ratelimit_headers([check(10**6, remaining)]))
+    assert 0 < len(answers) <= answers.KEPT
+
+
+def test_an_admission_with_nothing_of_its_own_is_one_shared_answer() -> None:
+    from extproc.servers import extproc
+
+    headers = (("x-extproc-lane", "interactive"), ("x-extproc-tenant", "acme"), ("x-extproc-queue-ms", "0"),
+               ("x-extproc-predicted-ms", "1200"))
+    body = extproc._ADMISSIONS(("request_body", headers))
+    assert body is extproc._ADMISSIONS(("request_body", tuple(headers)))
+    assert body.request_body.response.status == pb.CommonResponse.CONTINUE
+    assert headers_of(body.request_body.response.header_mutation) == dict(headers)
+    heads = extproc._ADMISSIONS(("request_headers", headers))
+    assert heads is not body
+    assert heads.mode_override.request_body_mode == extproc.NO_BODY_MODE.request_body_mode
+    assert headers_of(heads.request_headers.response.header_mutation) == dict(headers)
+
+
+async def test_an_admission_that_records_usage_has_its_own_answer() -> None:
+    # A tenant with a token budget: its admission carries the metadata its charge needs, and its body
+    # rewritten to ask for usage; another tenant's is the shared answer, with neither.
+    budgets = {"budgets": {"tenants": {"acme": {"tokens": 1000, "per": "minute"}}}}
+    policy = Policy.model_validate({**POLICY.model_dump(mode="json", exclude_unset=True),
+                                    "ratelimit": budgets})
+    stack = Stack(policy, RateLimit.model_validate(budgets))
+    stack.controller.start()
+    try:
+        plain = await stack.stream(tenant="globex")
+        budgeted = await stack.stream(tenant="acme")
+        again = await stack.stream(tenant="acme")
+    finally:
+        await stack.controller.stop()
+    assert "extproc" not in plain[1].dynamic_metadata.fields
+    assert not plain[1].request_body.response.HasField("body_mutation")
+    assert budgeted[1].dynamic_metadata["extproc"]["strip_usage"] == "1"
+    assert budgeted[1].request_body.response.body_mutation.body.endswith(b'"include_usage":true}}')
+    assert budgeted[1] is not again[1]
+
+
+_WINDOWS = {Limit.SECOND: 1, Limit.MINUTE: 60, Limit.HOUR: 3600, Limit.DAY: 86400}
+
+
+def envoy_reads(answer: rls.RateLimitResponse) -> tuple[tuple[str, str], ...]:
+    """What Envoy's ratelimit filter (DRAFT_VERSION_03) adds for a call's answer: the response's
+    x-ratelimit-* headers, and on OVER_LIMIT the service's headers before them."""
+    least = None
+    policy = ""
+    for status in answer.statuses:
+        if not status.HasField("current_limit"):
+            continue
+        if least is None or status.limit_remaining < least.limit_remaining:
+            least = status
+        window = _WINDOWS.get(status.current_limit.unit, 0)
+        if window:
+            policy += f", {status.current_limit.requests_per_unit};w={window}"
+            if status.current_limit.name:
+                policy += f';name="{status.current_limit.name}"'
+    limits = () if least is None else (
+        ("x-ratelimit-limit", f"{least.current_limit.requests_per_unit}{policy}"),
+        ("x-ratelimit-remaining", str(least.limit_remaining)),
+        ("x-ratelimit-reset", str(least.duration_until_reset.seconds)))
+    if answer.overall_code != rls.RateLimitResponse.OVER_LIMIT:
+        return limits
+    return (("x-envoy-ratelimited", "true"),
+            *((h.key, h.raw_value.decode() or h.value) for h in answer.response_headers_to_add), *limits)
+
+
+@pytest.mark.parametrize("mode", ["enforce", "shadow"])
+async def test_judged_inline_the_edge_answers_as_its_call_does(mode: str) -> None:
+    # Twins on one virtual clock: one judged by the rate limit call, the other inline, arrival by arrival.
+    now = [100.0]
+    config = RateLimit.model_validate({"mode": mode, "budgets": {
+        "default": {"requests": 3, "per": "minute", "tokens": 1000}, "tenants": {"globex": {"requests": 1,
+                                                                                         "per": "hour"}}}})
+    policy = Policy.model_validate({**POLICY.model_dump(mode="json", exclude_unset=True),
+                                    "lanes": [{"name": "interactive", "max_inflight": 1, "max_queued": 2,
+                                               "deadline": "10s"}]})
+    twins = []
+    for _ in range(2):
+        controller = Controller(policy, Metrics(CollectorRegistry()), clock=lambda: now[0],
+                                rng=random.Random(1), edge_rng=random.Random(2))
+        twins.append(RateLimitService(controller.machine, RateLimitMetrics(CollectorRegistry()),
+                                      lambda: config, clock=lambda: now[0]))
+    call, inline = twins
+    seen = set()
+    for i, tenant in enumerate(["acme", "acme", "globex", "acme", "globex", "acme", "acme", "initech"]):
+        now[0] += 7.3
+        entries = {"method": "POST", "path": "/v1/chat/completions", "x-extproc-client": tenant}
+        request = rls.RateLimitRequest(domain=config.domain)
+        add = request.descriptors.add().entries.add
+        add(key="generic_key", value=config.request_descriptor)
+        for key, value in entries.items():
+            add(key=key, value=value)
+        answer = call.decide(request)
+        judged = await inline.judge_inline(entries, f"r{i}")
+        assert judged is not None
+        limits = _ratelimit_headers([judged.status] if judged.status is not None else [])
+        if judged.shed is not None:
+            mine = (("x-envoy-ratelimited", "true"), *judged.shed.headers, *limits)
+            assert answer.raw_body == judged.shed.body
+        else:
+            mine = limits
+        assert mine == envoy_reads(answer)
+        shadow = answer.dynamic_metadata.fields.get("shadow")
+        assert judged.shadow == (shadow.string_value if shadow is not None else None)
+        seen.add("shed" if judged.shed is not None else "shadow" if judged.shadow else "ok")
+    assert seen == ({"ok", "shed"} if mode == "enforce" else {"ok", "shadow"})
 
 
 class Stack:

@@ -139,7 +139,7 @@ ALLOWED = {
     "fleet": {"core", "metrics", "state"},
     "controller": {"core", "fleet", "metrics", "policy", "state"},
     "operations": {"api", "controller", "core", "policy", "signals"},
-    "servers": {"api", "controller", "core", "metrics", "operations", "policy", "state"},
+    "servers": {"api", "controller", "core", "log", "metrics", "operations", "policy", "state"},
     "app": {"controller", "metrics", "operations", "policy", "servers", "settings", "signals", "state"},
     "bootstrap": {"settings"},
     "localstack": {"bootstrap", "extproc", "settings"},

@@ -52,3 +52,23 @@ def test_the_same_key_hashes_alike_and_another_does_not() -> None:
     assert a.tenant("sk-abc") == b.tenant("sk-abc") != c.tenant("sk-abc")
     # Without a key, each start draws its own: hashes never join across processes.
     assert Redactor(POLICY).tenant("sk-abc") != Redactor(POLICY).tenant("sk-abc")
+
+
+def test_remembered_answers_are_the_answers_and_the_memory_is_bounded() -> None:
+    from extproc.core import redaction
+
+    redactor, fresh = Redactor(POLICY, key=b"k"), Redactor(POLICY, key=b"k")
+    values = ["acme", "sk-live-0123456789abcdef", "gold", "x" * (redaction.MAX_SHOWN + 1)]
+    for _ in range(2):  # the second time from memory, where kept
+        for value in values:
+            assert redactor.value("x-extproc-client", value) == fresh.value("x-extproc-client", value)
+            assert redactor.tenant(value) == fresh.tenant(value)
+    # The same value under another header may be shown otherwise (the policy names it there only).
+    named = "sk-looks-like-a-key-0000000000000"
+    assert redactor.value("x-team", named) == named
+    assert redactor.value("x-extproc-client", named).startswith(HASHED)
+    # Client-chosen values: never more than _KEPT remembered, none of the long ones.
+    for i in range(redaction._KEPT + 10):
+        redactor.tenant(f"tenant-{i}")
+    assert 0 < len(redactor._shown) <= redaction._KEPT
+    assert all(len(value) <= redaction.MAX_SHOWN for _, value in redactor._shown)

@@ -12,6 +12,7 @@ from extproc.core.body import BodyFacts, lax_true, read_body
 from extproc.core.usage import (
     ADMITTED_MS,
     FILTER_HEADER,
+    NOTHING,
     OUTPUT,
     PROMPT,
     SERVICE_MS,
@@ -197,7 +198,7 @@ def test_the_plan_asks_only_where_it_is_safe_and_someone_is_charged() -> None:
     proxy = {FILTER_HEADER: "1"}
     chat = "/v1/chat/completions?x=1"
     assert plan(config, "acme", chat, proxy, stream) == Plan(record=True, ask=True)
-    assert plan(config, "globex", chat, proxy, stream) == Plan(record=False, ask=False)  # no token budget
+    assert plan(config, "globex", chat, proxy, stream) is NOTHING  # no token budget: nothing allocated
     assert plan(config, "acme", chat, {}, stream) == Plan(record=True, ask=False)  # an older proxy config
     assert plan(config, "acme", "/v1/embeddings", proxy, stream).ask is False
     assert plan(config, "acme", chat, proxy, BodyFacts(stream=True, usage_asked=True)).ask is False
