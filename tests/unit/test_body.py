@@ -271,9 +271,10 @@ def parse_time(size: int) -> float:
 
 
 # A cut body is scanned for two fields, never parsed: its cost is one pass over the bytes at
-# most, whatever they hold (here 1/1000 of the yardstick with the fields up front, twice it
-# without them). A scan that backtracks or retries from every position costs thousands of times
-# the yardstick on 3 MB; 10x it leaves room for machines whose regex and JSON speeds differ.
+# most, whatever they hold (here 1/1000 of the yardstick with the fields up front, 2-5 times it
+# without them, up to 12 times on a loaded machine). A scan that backtracks or retries from every
+# position costs thousands of times the yardstick on 3 MB; 50x it leaves room for machines whose
+# regex and JSON speeds differ, and for load, and still catches that.
 
 
 def test_three_megabyte_prefix() -> None:
@@ -283,14 +284,14 @@ def test_three_megabyte_prefix() -> None:
     assert (facts.model, facts.max_tokens) == ("big-model", 4096)
     assert facts.prompt_chars == 8 * 1024 * 1024 - 64
     cost = best_time(lambda: read_body(prefix, complete=False, content_length=8 * 1024 * 1024))
-    assert cost < 10 * parse_time(len(prefix))
+    assert cost < 50 * parse_time(len(prefix))
 
 
 def test_three_megabyte_prefix_without_fields_is_fast() -> None:
     prefix = b'"model" "max_tokens"' * (3 * 1024 * 1024 // 20)
     facts = read_body(prefix, complete=False)
     assert (facts.model, facts.max_tokens) == (None, None)
-    assert best_time(lambda: read_body(prefix, complete=False)) < 10 * parse_time(len(prefix))
+    assert best_time(lambda: read_body(prefix, complete=False)) < 50 * parse_time(len(prefix))
 
 
 def test_three_megabyte_complete_body() -> None:
