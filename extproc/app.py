@@ -94,7 +94,7 @@ class App:
         # A proxy that leaves the edge to ext_proc (x-extproc-edge) gets the same answers, in process.
         self.processor = ExternalProcessor(controller, log_key=settings.log_key,
                                            overload_after=settings.overload_after_s, edge=self.ratelimit,
-                                           policy_hash=policy_hash)
+                                           policy_hash=policy_hash, response_sample=settings.response_sample)
         controller.on_reconfigure.append(lambda _: self.processor.reconfigure())
         controller.on_reconfigure.append(lambda new: self.hub.reconfigure(new.signals))
         self.health = health.aio.HealthServicer()
@@ -189,6 +189,7 @@ class App:
                  event_loop=type(asyncio.get_running_loop()).__module__.split(".")[0],
                  admin=str(settings.admin) if settings.admin else None,
                  admin_grpc=str(settings.admin_grpc) if settings.admin_grpc else None, policy=settings.policy,
+                 response_sample=settings.response_sample,
                  lanes=[lane.name for lane in policy.lanes], capacity=policy.total_capacity,
                  shadow=policy.shadow or [lane.name for lane in policy.lanes if lane.shadow])
 

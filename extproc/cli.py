@@ -99,7 +99,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return EXIT_STARTUP
     settings = Settings(policy=args.policy, grpc=args.grpc, http=args.http, log_format=args.log_format,
                         log_level=args.log_level, shutdown_grace_s=args.shutdown_grace, seed=args.seed,
-                        overload_after_s=args.overload_after,
+                        overload_after_s=args.overload_after, response_sample=args.response_sample,
                         admin=args.admin, admin_grpc=args.admin_grpc, admin_token=token,
                         watch_interval_s=args.watch_interval,
                         store=args.store or None, store_fail_open=args.store_fail == "open",
@@ -204,6 +204,14 @@ def build_parser() -> argparse.ArgumentParser:
                        "after the proxy stamped its arrival, once such late ones have come for twice this on "
                        "end (a standing queue: extproc is beyond its decision rate); 0: off "
                        "(env EXTPROC_OVERLOAD_AFTER; default %(default)s)")
+    serve.add_argument("--response-sample", type=positive_int, default=env("RESPONSE_SAMPLE", "1"),
+                       metavar="N",
+                       help="ask the proxy for the response headers of one admitted request in N: their "
+                       "status says which service times to learn from, and the decision line's status; "
+                       "the others skip that message (less CPU in extproc and Envoy) and get the edge's "
+                       "x-ratelimit-* from the proxy's route config (envoy/envoy.yaml; an older proxy "
+                       "config leaves them off those responses). 1: every request "
+                       "(env EXTPROC_RESPONSE_SAMPLE; default %(default)s)")
     serve.add_argument("--admin", type=_optional_address,
                        default=_optional_address(env("ADMIN", "127.0.0.1:9091")), metavar="HOST:PORT|off",
                        help="admin port: state, reload, drain, pause (env EXTPROC_ADMIN; "

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Generic, Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from extproc.core.decision import Outcome
@@ -143,6 +143,29 @@ class _StateCollector(Collector):
                 "decides alone (within its share of the limits, or refusing).",
                 value=1.0 if shared.degraded else 0.0,
             )
+
+
+class ResponseCounts(Collector):
+    """The response-headers message: admitted requests whose response headers extproc asked the proxy
+    for (``asked``) or, sampled out (``extproc serve --response-sample``), did not (``skipped``), and the
+    messages that came (``received``). Plain counts on the request path (a labelled counter's lock and
+    lookup would cost more than the sampling saves), exported at scrape time."""
+
+    __slots__ = ("asked", "received", "skipped")
+
+    def __init__(self) -> None:
+        self.asked = 0
+        self.skipped = 0
+        self.received = 0
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "extproc_response_headers", "Admitted requests whose response headers extproc asked the proxy "
+            "for (asked) or, sampled out by --response-sample, did not (skipped: no status, no service time "
+            "learnt); and the response-headers messages that came (received).", labels=["kind"])
+        for kind in ("asked", "skipped", "received"):
+            family.add_metric([kind], getattr(self, kind))
+        yield family
 
 
 #: The tenant label of every tenant the policy does not name (``extproc_tenant_*``): a label per
@@ -269,6 +292,8 @@ class Metrics:
             "extproc_slots_reclaimed", "Slots reclaimed by the lease backstop (their stream never ended).",
             registry=registry,
         )
+        self.responses = ResponseCounts()
+        registry.register(self.responses)
 
     def _declare_policy(self, registry: CollectorRegistry) -> None:
         """Reloads of the policy file, and the age of the policy in force."""

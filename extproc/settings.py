@@ -37,6 +37,12 @@ class Settings:
     """A request whose headers reach extproc more than this after the proxy stamped its arrival is
     refused at once (503 overloaded) rather than decided, once such late ones have come for twice this
     on end: extproc is beyond its decision rate (core/overload.py). 0: off."""
+    response_sample: int = 1
+    """Ask Envoy for the response headers of one admitted request in this many (1: every one). The
+    others cost neither extproc nor Envoy that message: their service times teach the estimator
+    nothing and their decision lines have no ``status``; the edge's x-ratelimit-* reach their
+    responses through dynamic metadata, which the proxy's route configuration adds
+    (``envoy/envoy.yaml``'s ``response_headers_to_add``)."""
     seed: int | None = None
     admin: Address | None = Address("127.0.0.1", 9091)
     """The admin port (state, reload, drain, pause); None: no admin port."""

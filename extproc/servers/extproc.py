@@ -20,6 +20,13 @@ decode, when the policy refuses those), 408 and 429 (bodies late).
 ``response_trailer_mode: SEND`` keeps the stream open until the HTTP request
 ends; the stream's end — normal, client reset, Envoy timeout — is the only
 reliable "finished" signal, so the slot is released in ``finally``, once.
+
+The response headers are asked for in the same ``mode_override``, for one admitted request in
+``response_sample`` (``ResponseSample``; 1, the default: every one): their status says whether
+the service time is worth learning from, and they carry the edge's x-ratelimit-* headers. A
+request not sampled skips that message; its x-ratelimit-* values go into the admission's
+dynamic metadata (``extproc.ratelimit_*``), which the proxy's route configuration turns into
+the same headers (``response_headers_to_add``), and its release learns nothing.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ from extproc.core.redaction import Redactor
 from extproc.core.saturation import Effect
 from extproc.core.usage import NAMESPACE, admission_metadata, ask_for_usage, plan
 from extproc.log import Lines
+from extproc.metrics import ResponseCounts
 from extproc.servers.deadlines import Deadlines
 
 if TYPE_CHECKING:
@@ -62,14 +70,16 @@ HOLD_MARGIN_S = 2.0
 _OVERWRITE = HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
 
 
-def _mode(request_body: ProcessingMode.BodySendMode.ValueType) -> ProcessingMode:
+def _mode(request_body: ProcessingMode.BodySendMode.ValueType, response_headers: bool = True
+          ) -> ProcessingMode:
     # Every field spelled out: Envoy replaces the whole mode with an override. Response headers
     # are asked for here, per request, rather than in the filter's static mode: their status says
     # whether a service time is worth learning from, while Envoy's own error replies to requests
-    # that never reached extproc (a malformed request's 400) must not wait on it.
+    # that never reached extproc (a malformed request's 400) must not wait on it. Trailers stay on
+    # whether or not the headers are asked for: they keep the stream open to the request's end.
     return ProcessingMode(
         request_header_mode=ProcessingMode.SEND,
-        response_header_mode=ProcessingMode.SEND,
+        response_header_mode=ProcessingMode.SEND if response_headers else ProcessingMode.SKIP,
         request_body_mode=request_body,
         response_body_mode=ProcessingMode.NONE,
         request_trailer_mode=ProcessingMode.SKIP,
@@ -81,11 +91,21 @@ def _mode(request_body: ProcessingMode.BodySendMode.ValueType) -> ProcessingMode
 BODY_MODE = _mode(ProcessingMode.BUFFERED_PARTIAL)
 #: For a request decided on its headers: whatever the filter's static mode, skip the body.
 NO_BODY_MODE = _mode(ProcessingMode.NONE)
+#: The same two for a request whose response headers are not asked for (``ResponseSample``).
+BODY_MODE_UNSAMPLED = _mode(ProcessingMode.BUFFERED_PARTIAL, response_headers=False)
+NO_BODY_MODE_UNSAMPLED = _mode(ProcessingMode.NONE, response_headers=False)
+
+
+def _read_body(mode: ProcessingMode) -> pb.ProcessingResponse:
+    response = pb.ProcessingResponse(mode_override=mode)
+    response.request_headers.response.header_mutation.SetInParent()
+    return response
+
 
 #: The answer to request headers whose body is to be read, when no header needs removing (the
 #: usual case): built once and shared by every stream, since it never varies. Never mutated.
-_READ_BODY = pb.ProcessingResponse(mode_override=BODY_MODE)
-_READ_BODY.request_headers.response.header_mutation.SetInParent()
+_READ_BODY = _read_body(BODY_MODE)
+_READ_BODY_UNSAMPLED = _read_body(BODY_MODE_UNSAMPLED)
 _NO_BODY = BodyFacts()
 
 log = structlog.get_logger("extproc.decision")
@@ -206,6 +226,49 @@ def _ratelimit_headers(statuses: Sequence[Check]) -> Headers:
                                       else 0)))
 
 
+#: Where each x-ratelimit-* header's value goes in the ``extproc`` dynamic metadata of a request whose
+#: response headers are not asked for: the proxy's route configuration adds the header from it
+#: (``%DYNAMIC_METADATA(extproc:ratelimit_limit)%``; a test keeps the shipped configs to these keys).
+LIMIT_KEYS = {"x-ratelimit-limit": "ratelimit_limit", "x-ratelimit-remaining": "ratelimit_remaining",
+              "x-ratelimit-reset": "ratelimit_reset"}
+
+
+def limits_metadata(limits: Headers) -> dict[str, str]:
+    """The x-ratelimit-* headers as ``extproc`` dynamic metadata entries (``LIMIT_KEYS``)."""
+    return {LIMIT_KEYS[key]: value for key, value in limits}
+
+
+class ResponseSample:
+    """Whether an admitted request's response headers are asked for: one request in ``every`` (1: each
+    one), by a counter, so the share is exact and a test can tell which: the first, then every
+    ``every``-th after it. Counted in ``counts`` (``extproc_response_headers_total``).
+
+    Nothing else depends on the message: a token budget's charge is read by the proxy (the usage
+    filter, the rate limit filter's call at stream end: ``core/usage.py``), the slot is released when
+    the stream ends (which ``response_trailer_mode: SEND`` keeps open either way), and the edge's
+    x-ratelimit-* go through dynamic metadata. What a request not sampled loses: its service time is
+    not learnt (no status says it was a success), and its decision line has ``status: null``."""
+
+    __slots__ = ("_left", "counts", "every")
+
+    def __init__(self, every: int = 1, counts: ResponseCounts | None = None) -> None:
+        if every < 1:
+            raise ValueError(f"the response sample must be 1 or more, not {every}")
+        self.every = every
+        self.counts = counts if counts is not None else ResponseCounts()
+        self._left = 0
+
+    def __call__(self) -> bool:
+        counts = self.counts
+        if self._left:
+            self._left -= 1
+            counts.skipped += 1
+            return False
+        self._left = self.every - 1
+        counts.asked += 1
+        return True
+
+
 def _edge_shed(rejection: Rejection, limits: Headers) -> pb.ProcessingResponse:
     """The edge's refusal as Envoy's ratelimit filter answers OVER_LIMIT: 429, x-envoy-ratelimited,
     the service's headers and body, the x-ratelimit-* headers."""
@@ -254,26 +317,32 @@ def _with_limits(limits: Headers) -> pb.ProcessingResponse:
     return response
 
 
-def _admission(key: tuple[str, Headers]) -> pb.ProcessingResponse:
-    """An admission answered in ``phase`` (its request's headers or body) that sets ``headers`` upstream."""
-    phase, headers = key
-    response, common = _answer_in(phase)
+def _admission(key: tuple[str, Headers, bool, Headers]) -> pb.ProcessingResponse:
+    """An admission answered in ``phase`` (its request's headers or body) that sets ``headers`` upstream;
+    ``sampled``: its response headers asked for (else ``limits``, the edge's x-ratelimit-*, go in its
+    dynamic metadata for the proxy to add)."""
+    phase, headers, sampled, limits = key
+    response, common = _answer_in(phase, sampled)
     _continue(common, [], headers)
+    if limits:
+        response.dynamic_metadata.update({NAMESPACE: limits_metadata(limits)})
     return response
 
 
-def _answer_in(phase: str) -> tuple[pb.ProcessingResponse, pb.CommonResponse]:
-    """A new answer to the message of ``phase`` (request headers: the body skipped), and its common part."""
+def _answer_in(phase: str, sampled: bool = True) -> tuple[pb.ProcessingResponse, pb.CommonResponse]:
+    """A new answer to the message of ``phase`` (request headers: the body skipped, the response headers
+    asked for if ``sampled``), and its common part."""
     response = pb.ProcessingResponse()
     if phase == "request_headers":
-        response.mode_override.CopyFrom(NO_BODY_MODE)
+        response.mode_override.CopyFrom(NO_BODY_MODE if sampled else NO_BODY_MODE_UNSAMPLED)
         return response, response.request_headers.response
     return response, response.request_body.response
 
 
 #: The response headers' answers by the limits they set.
 _RESPONSE_HEADERS = _Answers(_with_limits)
-#: Admissions that drop no header and record nothing, by phase and the headers they set.
+#: Admissions that drop no header and record no usage, by phase, the headers they set, whether their
+#: response headers are asked for, and the limits their metadata carries.
 _ADMISSIONS = _Answers(_admission)
 
 
@@ -324,7 +393,7 @@ class _Request:
     # One of these is made per request: slots spare it an instance __dict__.
     __slots__ = ("arrival", "body", "client", "cls", "edge_shadow", "edge_shed", "head", "headers", "limits",
                  "model", "outcome", "p", "pending", "policy", "raw_body", "reason", "remove", "request_id",
-                 "saturation", "shadow", "status", "ticket", "waiting_body")
+                 "sampled", "saturation", "shadow", "status", "ticket", "waiting_body")
 
     def __init__(self, processor: ExternalProcessor) -> None:
         self.p = processor
@@ -346,8 +415,10 @@ class _Request:
         self.remove: list[str] = []
         #: Wall-clock arrival (epoch seconds): lets the decision log be replayed as a trace.
         self.arrival = 0.0
-        #: The response's HTTP status, once its headers came (None: they never did).
+        #: The response's HTTP status, once its headers came (None: they never did, or were not asked for).
         self.status: int | None = None
+        #: False once the response headers are sampled out (``ResponseSample``): not asked for.
+        self.sampled = True
         #: The downstream client's address (for the cap on slow bodies), when Envoy sends it.
         self.client: str | None = None
         #: Whether the body was asked for and has not come yet.
@@ -428,9 +499,12 @@ class _Request:
             if refused is not None:
                 return self.refuse(refused, None, retry_after=int(machine.body_timeout_s) or 1)
             self.waiting_body = True
+            # The mode can change only here, in the answer to the request headers: whether the response
+            # headers are asked for is settled now, for a decision that comes with the body.
+            sampled = self.sampled = self.p.sample()
             if not self.remove:
-                return _READ_BODY
-            response = pb.ProcessingResponse(mode_override=BODY_MODE)
+                return _READ_BODY if sampled else _READ_BODY_UNSAMPLED
+            response = pb.ProcessingResponse(mode_override=BODY_MODE if sampled else BODY_MODE_UNSAMPLED)
             _continue(response.request_headers.response, self.remove)
             return response
         return None
@@ -457,6 +531,7 @@ class _Request:
             intake.tenant(head.method, head.path, head.headers)
 
     def on_response_headers(self, message: pb.HttpHeaders) -> pb.ProcessingResponse:
+        self.p.sample.counts.received += 1
         self.status = _status_of(message)
         if not self.limits:
             return _RESPONSE_HEADERS_PASSTHROUGH
@@ -516,15 +591,25 @@ class _Request:
             headers += (("x-extproc-shadow", would),)
         head = self.head
         remove = self.remove
+        if phase == "request_headers":
+            # Decided on its headers: this answer carries the mode (a body's answer cannot change it).
+            self.sampled = self.p.sample()
+        sampled = self.sampled
+        # Not sampled: the response headers never reach extproc, so the edge's x-ratelimit-* travel in
+        # the metadata, for the proxy's route to add (sampled: on the response-headers answer, as ever).
+        limits = _NO_LIMITS if sampled else self.limits
         # (The proxy's own x-extproc-usage-filter never reaches the backend: the shipped routes drop
         # it, so no request pays for removing it here.)
         usage = plan(self.p.controller.policy.ratelimit, t.tenant, head.path, head.headers,
                      self.body) if head is not None else None
         if (usage is None or not usage.record) and not remove:
-            return _ADMISSIONS((phase, headers))  # (the usual case: an answer with nothing of its own)
-        response, common = _answer_in(phase)
+            # (The usual case: an answer with nothing of its own.)
+            return _ADMISSIONS((phase, headers, sampled, limits))
+        response, common = _answer_in(phase, sampled)
         if usage is None or not usage.record:
             _continue(common, remove, headers)
+            if limits:
+                response.dynamic_metadata.update({NAMESPACE: limits_metadata(limits)})
             return response
         rewritten = None
         if usage.ask and phase == "request_body" and self.raw_body is not None and self.body is not None:
@@ -543,6 +628,8 @@ class _Request:
         meta = admission_metadata(t.job.prompt_tokens, t.job.output_tokens,
                                   body.max_tokens if body is not None else None, t.predicted, time.time(),
                                   strip=rewritten is not None)
+        if limits:
+            meta.update(limits_metadata(limits))  # (beside the usage record, in the one namespace)
         response.dynamic_metadata.update({NAMESPACE: meta})
         return response
 
@@ -627,6 +714,9 @@ class _Request:
                 fields["retry"] = True
             if ticket.first is not None:
                 fields["claimed"] = True  # a retry that came back on its booked return
+            if not self.sampled and self.outcome is Outcome.ADMITTED:
+                # Its response headers were not asked for (--response-sample): why status is null.
+                fields["sampled"] = False
         auto = controller.machine.auto
         if auto is not None:
             # The self-sized fleet limit in force when the request ended (shadow: the one computed).
@@ -649,8 +739,10 @@ class _Request:
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(self, controller: Controller, *, log_key: bytes | None = None,
                  overload_after: float = 0.0, edge: RateLimitService | None = None,
-                 policy_hash: Callable[[], str] = str) -> None:
+                 policy_hash: Callable[[], str] = str, response_sample: int = 1) -> None:
         self.controller = controller
+        #: Which admitted requests' response headers are asked for (one in ``response_sample``).
+        self.sample = ResponseSample(response_sample, controller.metrics.responses)
         #: The sha256 of the policy file in force (read as each request is decided).
         self.policy_hash = policy_hash
         #: Refuses at once what reaches extproc too late to be worth deciding (0: off).

@@ -80,14 +80,25 @@ def test_an_admission_with_nothing_of_its_own_is_one_shared_answer() -> None:
 
     headers = (("x-extproc-lane", "interactive"), ("x-extproc-tenant", "acme"), ("x-extproc-queue-ms", "0"),
                ("x-extproc-predicted-ms", "1200"))
-    body = extproc._ADMISSIONS(("request_body", headers))
-    assert body is extproc._ADMISSIONS(("request_body", tuple(headers)))
+    body = extproc._ADMISSIONS(("request_body", headers, True, ()))
+    assert body is extproc._ADMISSIONS(("request_body", tuple(headers), True, ()))
     assert body.request_body.response.status == pb.CommonResponse.CONTINUE
     assert headers_of(body.request_body.response.header_mutation) == dict(headers)
-    heads = extproc._ADMISSIONS(("request_headers", headers))
+    assert not body.HasField("dynamic_metadata")
+    heads = extproc._ADMISSIONS(("request_headers", headers, True, ()))
     assert heads is not body
-    assert heads.mode_override.request_body_mode == extproc.NO_BODY_MODE.request_body_mode
+    assert heads.mode_override == extproc.NO_BODY_MODE
     assert headers_of(heads.request_headers.response.header_mutation) == dict(headers)
+    # Its response headers sampled out: the mode skips them, and the edge's limits ride in the metadata.
+    limits = _ratelimit_headers([check(4, 3)])
+    unsampled = extproc._ADMISSIONS(("request_headers", headers, False, limits))
+    assert unsampled is extproc._ADMISSIONS(("request_headers", headers, False, limits))
+    assert unsampled.mode_override == extproc.NO_BODY_MODE_UNSAMPLED
+    assert dict(unsampled.dynamic_metadata["extproc"]) == {
+        "ratelimit_limit": "4", "ratelimit_remaining": "3", "ratelimit_reset": "0"}
+    plain = extproc._ADMISSIONS(("request_headers", headers, False, ()))
+    assert plain.mode_override == extproc.NO_BODY_MODE_UNSAMPLED
+    assert not plain.HasField("dynamic_metadata")
 
 
 async def test_an_admission_that_records_usage_has_its_own_answer() -> None:
