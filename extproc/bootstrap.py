@@ -143,7 +143,8 @@ def render(
     """The shipped bootstrap with its addresses rewritten.
 
     ``extproc=None`` removes everything that talks to extproc or serves it (the ratelimit and
-    ext_proc filters, the overload shed, the admission gate, their per-route settings and clusters)
+    ext_proc filters, the overload shed, the admission gate, their per-route settings and clusters,
+    the x-ratelimit-* headers the route configuration adds from extproc's metadata)
     and keeps the gateway's own work (the strip of client x-extproc-* headers, API keys): plain
     Envoy, a baseline.
     ``fail_open`` removes the admission gate: while extproc is down, requests pass unadmitted (the
@@ -167,6 +168,8 @@ def render(
     if extproc is None:
         _remove_with_mapper(hcm, OVERLOAD_FILTER, OVERLOAD_DENIAL)
         _remove_filters(hcm, (EXT_PROC_FILTER, RATELIMIT_FILTER, USAGE_FILTER, OVERLOAD_STATUS_FILTER))
+        # (Headers from extproc's metadata: nothing would set it.)
+        hcm["route_config"].pop("response_headers_to_add", None)
         config["static_resources"]["clusters"] = [
             c for c in config["static_resources"]["clusters"] if c["name"] not in EXTPROC_CLUSTERS
         ]

@@ -19,6 +19,7 @@ from extproc.core.overload import SHED_STATUS
 from extproc.localstack import ROOT, envoy_binary
 from extproc.policy import load_policy
 from extproc.policy.ratelimit import RateLimit
+from extproc.servers.extproc import LIMIT_KEYS
 from extproc.settings import Address
 
 COMPOSE_ENVOY = ROOT / "envoy" / "compose.yaml"
@@ -54,6 +55,7 @@ def test_envoy_without_extproc_validates_and_has_nothing_that_calls_it(tmp_path:
     assert [c["name"] for c in config["static_resources"]["clusters"]] == ["inference_backend"]
     for route in hcm["route_config"]["virtual_hosts"][0]["routes"]:
         assert set(route.get("typed_per_filter_config", {})) <= {bootstrap.API_KEY_FILTER}
+    assert "response_headers_to_add" not in hcm["route_config"]  # (from extproc's metadata)
     path = tmp_path / "baseline.yaml"
     path.write_text(yaml.safe_dump(config))
     result = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path)],
@@ -282,6 +284,30 @@ def test_ext_proc_may_set_the_metadata_the_usage_filter_and_descriptor_read() ->
     filters = {f["name"]: f["typed_config"] for f in hcm["http_filters"]}
     namespaces = filters[bootstrap.EXT_PROC_FILTER]["metadata_options"]["receiving_namespaces"]["untyped"]
     assert usage_mod.NAMESPACE in namespaces
+
+
+def shipped_ratelimit_headers() -> list[dict[str, Any]]:
+    """What envoy/envoy.yaml's route configuration adds to every response from extproc's metadata."""
+    _, hcm = _shipped()
+    added: list[dict[str, Any]] = hcm["route_config"]["response_headers_to_add"]
+    return added
+
+
+def test_the_route_adds_each_x_ratelimit_header_from_the_metadata_extproc_sets() -> None:
+    # The edge's x-ratelimit-* of a request whose response headers extproc did not ask for
+    # (--response-sample): each header from the key extproc writes it under, in the namespace the
+    # ext_proc filter lets in; never a second copy beside one already there (extproc's own answer to
+    # the response headers, the backend's), and nothing when the value is empty.
+    added = shipped_ratelimit_headers()
+    assert {h["header"]["key"]: h["header"]["value"] for h in added} == {
+        header: f"%DYNAMIC_METADATA({usage_mod.NAMESPACE}:{key})%" for header, key in LIMIT_KEYS.items()}
+    for header in added:
+        assert header["append_action"] == "OVERWRITE_IF_EXISTS_OR_ADD"
+        assert not header.get("keep_empty_value", False)
+    _, hcm = _shipped()
+    filters = {f["name"]: f["typed_config"] for f in hcm["http_filters"]}
+    assert usage_mod.NAMESPACE in \
+        filters[bootstrap.EXT_PROC_FILTER]["metadata_options"]["receiving_namespaces"]["untyped"]
 
 
 def test_compose_envoy_config_is_generated_from_the_shipped_one() -> None:

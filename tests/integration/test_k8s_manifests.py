@@ -983,6 +983,32 @@ def test_health_routes_skip_both_filters_and_inference_routes_are_shed_and_never
             assert value["request_headers_to_remove"] == PROXY_WORDS, (overlay, name)
 
 
+def route_configuration_patches(envoyfilter: Doc) -> list[Doc]:
+    return [p for p in envoyfilter["spec"]["configPatches"] if p["applyTo"] == "ROUTE_CONFIGURATION"]
+
+
+def test_every_route_configuration_ext_proc_runs_on_adds_the_shipped_x_ratelimit_headers(
+        rendered: Rendered) -> None:
+    """The edge's x-ratelimit-* of a request whose response headers extproc did not ask for (extproc
+    serve --response-sample) come from its metadata: each overlay adds them as envoy/envoy.yaml does,
+    on the route configurations of the listeners its ext_proc filter runs on (in the mesh the routes
+    are the users' VirtualServices': patched at the level above them)."""
+    config = yaml.safe_load((ROOT / "envoy" / "envoy.yaml").read_text())
+    shipped = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
+        "route_config"]["response_headers_to_add"]
+    for overlay in ("gateway", "sidecar"):
+        envoyfilter = one(rendered[overlay], "EnvoyFilter")
+        [patch] = route_configuration_patches(envoyfilter)
+        assert patch["patch"] == {"operation": "MERGE",
+                                  "value": {"response_headers_to_add": shipped}}, overlay
+        ext_proc = next(p for p in envoyfilter["spec"]["configPatches"]
+                        if p["applyTo"] == "HTTP_FILTER" and p["patch"]["value"]["name"] == EXT_PROC)
+        assert patch["match"]["context"] == ext_proc["match"]["context"], overlay
+        # The same port as the listener ext_proc is on (the sidecar's; the gateway's: all of them).
+        assert patch["match"].get("routeConfiguration", {}).get("portNumber") == \
+            ext_proc["match"]["listener"].get("portNumber"), overlay
+
+
 def _static_cluster(name: str, port: int, *, http2: bool = False) -> Doc:
     cluster: dict[str, Any] = {
         "name": name, "type": "STATIC", "connect_timeout": "1s",
@@ -1025,6 +1051,7 @@ def envoy_bootstrap(envoyfilter: dict[str, Any]) -> Doc:
     routes: list[Doc] = [{"name": "default", "match": {"prefix": "/"},
                           "route": {"cluster": "backend", "timeout": "0s"}}]
     clusters = {"backend": _static_cluster("backend", 8000)}
+    route_config: dict[str, Any] = {"name": "test"}
     for patch in envoyfilter["spec"]["configPatches"]:
         apply_to, operation = patch["applyTo"], patch["patch"]["operation"]
         value = copy.deepcopy(patch["patch"]["value"])
@@ -1040,6 +1067,9 @@ def envoy_bootstrap(envoyfilter: dict[str, Any]) -> Doc:
             assert operation == "MERGE"
             assert value["typed_config"]["@type"] == HCM
             _merge(hcm, value["typed_config"])
+        elif apply_to == "ROUTE_CONFIGURATION":
+            assert operation == "MERGE"
+            _merge(route_config, value)
         elif apply_to == "HTTP_ROUTE":
             target = patch["match"]["routeConfiguration"]["vhost"]["route"]["name"]
             existing = [r for r in routes if r["name"] == target]
@@ -1059,7 +1089,7 @@ def envoy_bootstrap(envoyfilter: dict[str, Any]) -> Doc:
             pytest.fail(f"no Envoy check for applyTo {apply_to}: extend envoy_bootstrap")
     hcm["http_filters"] = [*http_filters, {"name": ROUTER, "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]
-    hcm["route_config"] = {"name": "test",
+    hcm["route_config"] = {**route_config,
                            "virtual_hosts": [{"name": "test", "domains": ["*"], "routes": routes}]}
     def local() -> Doc:
         return {"socket_address": {"address": "127.0.0.1", "port_value": free_port()}}
@@ -1090,6 +1120,7 @@ def test_every_envoyfilter_patch_validates_with_the_real_envoy(
                      for r in hcm["route_config"]["virtual_hosts"][0]["routes"]]
         assert any(c.get("rate_limits") for c in per_route), name
         assert any(c.get("disabled") for c in per_route), name
+        assert hcm["route_config"]["response_headers_to_add"], name
         path = tmp_path / f"{namespace}-{name}.yaml"
         path.write_text(yaml.safe_dump(bootstrap))
         running.append((name, path, subprocess.Popen(
@@ -1122,10 +1153,17 @@ def _break_descriptors(envoyfilter: Doc) -> str:
     return "apply_on_stream_end"
 
 
+def _break_route_headers(envoyfilter: Doc) -> str:
+    for patch in route_configuration_patches(envoyfilter):
+        patch["patch"]["value"]["response_headers_to_add"][0]["append_action"] = "OVERWRITE_IF_EXIST"
+    return "OVERWRITE_IF_EXIST"
+
+
 @pytest.mark.envoy
 @pytest.mark.parametrize("overlay", ["gateway", "sidecar"])
-@pytest.mark.parametrize("breakage", [_break_ext_proc, _break_ratelimit_filter, _break_descriptors],
-                         ids=["ext_proc enum", "ratelimit enum", "descriptor field"])
+@pytest.mark.parametrize("breakage", [_break_ext_proc, _break_ratelimit_filter, _break_descriptors,
+                                      _break_route_headers],
+                         ids=["ext_proc enum", "ratelimit enum", "descriptor field", "route header enum"])
 def test_envoy_check_rejects_a_broken_patch(
         rendered: Rendered, tmp_path: Path, overlay: str, breakage: Callable[[Doc], str]) -> None:
     """The Envoy check above can fail: a misspelt enum or field in any patch is refused."""
