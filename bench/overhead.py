@@ -18,6 +18,10 @@ with its ports rewritten) and the same fast upstream (``bench/upstream.py``):
                    the shipped config before the edge moved into the ext_proc headers phase;
 * ``extproc_edge`` Envoy + ``extproc serve`` with the shipped config: the edge judged in the
                    ext_proc headers phase (``x-extproc-edge``), then ext_proc's decision;
+* ``extproc_edge_sampled``  the same with the response headers asked for on one admitted request in 8
+                   (``extproc serve --response-sample 8``; the edge's x-ratelimit-* of the others from
+                   the route configuration): against the bare no-op, which asks for no response
+                   headers either (``extproc_edge`` stays like for like with ``noop_response``);
 * ``extproc_edge_redis``  the same with ``--store redis://127.0.0.1:PORT/0`` (a ``redis-server``
                    this script starts on a free port, no persistence);
 * ``replicas_2``, ``replicas_3``  2 and 3 ``extproc serve`` replicas sharing that Redis behind one
@@ -95,9 +99,11 @@ BODY = json.dumps({
     "max_tokens": 32,
 }, separators=(",", ":"))
 
+#: ``extproc_edge_sampled``: the response headers of one admitted request in this many.
+RESPONSE_SAMPLE = 8
 #: Configurations, in the order they are reported.
 CONFIGS = ("envoy", "noop", "noop_response", "extproc_only", "extproc_edge_call", "extproc_edge",
-           "extproc_edge_redis", "replicas_2", "replicas_3")
+           "extproc_edge_sampled", "extproc_edge_redis", "replicas_2", "replicas_3")
 DESCRIPTIONS = {
     "envoy": "Envoy -> upstream (no ext_proc, no ratelimit filter)",
     "noop": "Envoy + no-op Python ext_proc (body read), ratelimit filter removed",
@@ -107,6 +113,8 @@ DESCRIPTIONS = {
                          "memory store",
     "extproc_edge": "Envoy + extproc serve, shipped config (the edge in the ext_proc headers phase), "
                     "memory store",
+    "extproc_edge_sampled": "as extproc_edge, the response headers asked for on one request in "
+                            f"{RESPONSE_SAMPLE} (--response-sample {RESPONSE_SAMPLE})",
     "extproc_edge_redis": "as extproc_edge, with --store redis://",
     "replicas_2": "2 extproc replicas sharing Redis behind one Envoy (round robin)",
     "replicas_3": "3 extproc replicas sharing Redis behind one Envoy (round robin)",
@@ -357,6 +365,14 @@ def start_redis(s: localstack.Stack, workdir: Path) -> tuple[str, int]:
             time.sleep(0.05)
 
 
+def serve_flags(key: str, log_level: str) -> list[str]:
+    """``extproc serve``'s flags in configuration ``key`` (the store's apart). Spelled out, so that the
+    environment (EXTPROC_EVENT_LOOP, EXTPROC_RESPONSE_SAMPLE) cannot move extproc off the loop the
+    no-ops run on, nor change which response headers it asks for."""
+    sample = RESPONSE_SAMPLE if key == "extproc_edge_sampled" else 1
+    return ["--log-level", log_level, "--event-loop", "auto", "--response-sample", str(sample)]
+
+
 def start_stacks(s: localstack.Stack, workdir: Path, params: Params,
                  keys: list[str]) -> tuple[dict[str, Config], str | None]:
     """Every configuration's processes, side by side; and the Redis URL (None without Redis)."""
@@ -388,9 +404,7 @@ def start_stacks(s: localstack.Stack, workdir: Path, params: Params,
             tweak = without_ratelimit
         elif key != "envoy":
             n = int(key.split("_")[1]) if key.startswith("replicas_") else 1
-            # Spelled out: an EXTPROC_EVENT_LOOP in the environment must not move extproc off the
-            # loop the no-ops run on.
-            extra = ["--log-level", params.extproc_log_level, "--event-loop", "auto"]
+            extra = serve_flags(key, params.extproc_log_level)
             if key in REDIS_CONFIGS:
                 extra += ["--store", redis_url, "--store-prefix", f"bench-{key}",
                           "--store-fleet-size", str(n)]
@@ -748,6 +762,18 @@ def extproc_decisions(cfg: Config) -> list[dict[str, float]]:
     return out
 
 
+def extproc_responses(cfg: Config) -> list[dict[str, float]]:
+    """Each replica's count of response-headers messages asked for, skipped (--response-sample) and
+    received: proof of the share each configuration asked for."""
+    out = []
+    for url in cfg.metrics_urls:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            text = response.read().decode()
+        out.append({match.group(1): float(match.group(2)) for match in re.finditer(
+            r'^extproc_response_headers_total\{kind="([^"]*)"\} (\S+)$', text, re.M)})
+    return out
+
+
 def envoy_calls(cfg: Config) -> dict[str, float]:
     """Envoy's own counts: HTTP requests, and calls to each extproc cluster (gRPC calls per request)."""
     url = f"http://127.0.0.1:{cfg.envoy_admin}/stats?format=json"
@@ -976,6 +1002,7 @@ def run(params: Params, keys: list[str], out_dir: Path, keep: bool, quick: bool)
                               f"{r['machine_steal']:.0%}", flush=True)
                 reps_done = rep + 1
             decisions = {k: extproc_decisions(c) for k, c in configs.items() if c.metrics_urls}
+            responses = {k: extproc_responses(c) for k, c in configs.items() if c.metrics_urls}
             calls = {k: envoy_calls(c) for k, c in configs.items()}
             outages = {k: [_count(p.log, '"event": "ledger_degraded"') for p in s.processes
                            if p.name.startswith(f"extproc-{k}-")] for k in configs if k in REDIS_CONFIGS}
@@ -1004,6 +1031,7 @@ def run(params: Params, keys: list[str], out_dir: Path, keep: bool, quick: bool)
         "store_outages": outages,
         "envoy_calls": calls,
         "extproc_decisions": decisions,
+        "extproc_response_headers": responses,
         "machine": {**machine, "loadavg_end": list(os.getloadavg())},
         "parameters": {
             **params.__dict__,
@@ -1037,6 +1065,9 @@ def run(params: Params, keys: list[str], out_dir: Path, keep: bool, quick: bool)
                                  "when machine.hiredis), one PING every 2 ms on loopback, from the bench "
                                  "process, at the start of each repetition (no other traffic then); median "
                                  "over repetitions",
+            "extproc_response_headers": "each extproc replica's extproc_response_headers_total at the end: "
+                                        "admitted requests whose response headers it asked for, skipped "
+                                        "(--response-sample) and received",
             "store_outages": "ledger_degraded events in each extproc replica's log (the Redis ledger timed "
                              "out and the replica decided alone for a moment)",
             "idle_cpu_percent_by_process": "CPU % of each process over the idle seconds at the start "

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from extproc import localstack
+from extproc.settings import positive_int
 from extproc.sim.load import progress_printer
 from extproc.sim.load import run as run_load
 from extproc.sim.profiles import get_profile
@@ -47,7 +48,8 @@ def run_once(name: str, args: argparse.Namespace, requests: list[Request], spec:
         gateway = s.gateway(args.policy if with_extproc else None, args.profile, args.time_scale,
                             backend_args=["--stream-interval", "0.1", "--log-level", "warning",
                                           "--seed", str(args.seed), *schedule],
-                            extproc_args=["--log-level", "warning", "--seed", str(args.seed)])
+                            extproc_args=["--log-level", "warning", "--seed", str(args.seed),
+                                          "--response-sample", str(args.response_sample)])
         progress = progress_printer(name, len(requests))
         results = asyncio.run(run_load(gateway.url, requests, spec.client, seed=args.seed,
                                        drain_timeout=args.drain, progress=progress))
@@ -111,6 +113,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--capacity-schedule", default=None, metavar="T:F,...",
                         help="the simulated engine runs at fraction F of its capacity from T seconds on")
+    parser.add_argument("--response-sample", type=positive_int, default=1, metavar="N",
+                        help="extproc asks for the response headers of one admitted request in N "
+                        "(extproc serve --response-sample; default 1: every one)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "demo"),
                         help="writes OUT.json and OUT.png")
 
@@ -141,7 +146,7 @@ def command(args: argparse.Namespace) -> int:
     doc = {
         "profile": profile.name, "time_scale": args.time_scale, "capacity_rps": capacity, "load": args.load,
         "rate_rps": rate, "duration_s": args.duration, "requests": len(requests), "seed": args.seed,
-        "policy": str(args.policy), "workload": str(args.workload),
+        "policy": str(args.policy), "workload": str(args.workload), "response_sample": args.response_sample,
         "runs": {r.name: _run_doc(r) for r in (baseline, extproc)},
         "elapsed_s": round(time.monotonic() - started, 1),
     }

@@ -332,3 +332,16 @@ def test_the_flag_and_its_environment_variable(monkeypatch: pytest.MonkeyPatch) 
     assert build_parser().parse_args(["serve"]).response_sample == 16
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--response-sample", "0"])
+
+
+def test_the_demo_and_outcomes_runs_take_the_sample_for_their_extproc() -> None:
+    import argparse
+
+    from extproc.sim import demo
+
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    assert parser.parse_args([]).response_sample == 1
+    assert parser.parse_args(["--response-sample", "8"]).response_sample == 8
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--response-sample", "0"])
