@@ -2,7 +2,9 @@
 
 The probe suite points a shipped Envoy config at it to see exactly which headers reach
 "extproc" (forward_rules), independent of what the real extproc then does with them. It
-admits by setting ``x-extproc-lane: recorded``, which is what the admission gate looks for.
+admits by setting ``x-extproc-lane: recorded``, which is what the admission gate looks for; a path
+under ``LIMITED`` is admitted with the edge's x-ratelimit-* in the ``extproc`` metadata, as extproc
+admits a request whose response headers it does not ask for.
 """
 
 from __future__ import annotations
@@ -16,6 +18,12 @@ import grpc
 from envoy.config.core.v3.base_pb2 import HeaderValueOption
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+#: A path under this prefix is admitted with the edge's x-ratelimit-* in the "extproc" dynamic metadata,
+#: as extproc admits a request whose response headers it does not ask for (--response-sample).
+LIMITED = "/recorded-limits"
+RECORDED_LIMITS = {"x-ratelimit-limit": '7, 7;w=60;name="tenant_requests"', "x-ratelimit-remaining": "6",
+                   "x-ratelimit-reset": "5"}
 
 
 class _Recording(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -36,6 +44,10 @@ class _Recording(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     append_action=HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD)
                 option.header.key = "x-extproc-lane"
                 option.header.raw_value = b"recorded"
+                if headers.get(":path", "").startswith(LIMITED):
+                    response.dynamic_metadata.update({"extproc": {
+                        "ratelimit_" + name.removeprefix("x-ratelimit-"): value
+                        for name, value in RECORDED_LIMITS.items()}})
             elif kind in ("request_body", "response_headers", "response_body"):
                 getattr(response, kind).response.SetInParent()
             else:

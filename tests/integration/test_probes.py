@@ -31,7 +31,7 @@ from extproc import bootstrap
 from extproc.localstack import ROOT, Stack, free_port, wait_http
 from extproc.settings import Address
 from tests.integration.conftest import UPSTREAM, as_tenant
-from tests.integration.recorder import Recorder
+from tests.integration.recorder import LIMITED, RECORDED_LIMITS, Recorder
 from tests.integration.test_k8s_manifests import HCM, _merge
 
 pytestmark = pytest.mark.envoy
@@ -88,6 +88,8 @@ def _istio_standin(overlay: str, listen: int, admin: int, backend: int, extproc:
             filters.insert(len(filters) - 1, value)
         elif kind == "NETWORK_FILTER":
             _merge(hcm, value["typed_config"])
+        elif kind == "ROUTE_CONFIGURATION" and operation == "MERGE":
+            _merge(hcm["route_config"], value)
         elif kind == "HTTP_ROUTE" and operation == "MERGE":
             target = patch["match"]["routeConfiguration"]["vhost"]["route"]["name"]
             _merge(next(r for r in routes if r["name"] == target), value)
@@ -359,3 +361,19 @@ def test_extproc_gets_only_allowlisted_headers_and_never_a_credential(
         assert seen["x-extproc-client"] == "acme"  # from the key, after the strip
     else:
         assert "x-extproc-client" not in seen
+
+
+@pytest.mark.parametrize("which", CONFIGS)
+def test_the_edges_limits_in_extprocs_metadata_become_one_set_of_headers(
+        recorded: tuple[dict[str, str], Recorder], which: str) -> None:
+    # A request whose response headers extproc did not ask for (--response-sample): its admission's
+    # "extproc" metadata carries the edge's x-ratelimit-*, and every shipped config's route
+    # configuration adds them to the response, once; without that metadata, none.
+    urls, _ = recorded
+    with httpx.Client(base_url=urls[which], timeout=10) as client:
+        limited = client.post(f"{LIMITED}/v1/chat/completions", content=b'{"max_tokens": 3}')
+        plain = client.post("/v1/chat/completions", content=b'{"max_tokens": 3}')
+    assert (limited.status_code, plain.status_code) == (200, 200)
+    for name, value in RECORDED_LIMITS.items():
+        assert limited.headers.get_list(name) == [value], name
+        assert name not in plain.headers
