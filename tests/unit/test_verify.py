@@ -85,6 +85,20 @@ def test_each_span_replays_under_the_policy_that_decided_it_with_the_operators_a
     assert [(s["policy"], s["attempts"]) for s in summary["spans"]] == [(A, 2), (B, 4)]
 
 
+def test_a_log_of_responses_asked_for_on_a_sample_verifies_alike() -> None:
+    # extproc serve --response-sample: an admitted request whose response headers were not asked
+    # for is logged with status null and sampled false; the replay reads it as live handled it (its
+    # release teaches nothing) and agrees all the same.
+    # (One in many asked for: the first admitted request's, and none after it.)
+    sampled = [{**r, "status": None, "sampled": False}
+               if r.get("outcome") == "admitted" and r["arrival"] > 100 else r for r in RECORDS]
+    log = as_log(sampled)
+    assert [a.status for a in log.attempts] == [200, 429, None, None, 429, None]
+    summary = replay(log, resolve(log, policies())).summary()
+    assert summary["outcome_agreement"] == 1.0
+    assert summary["disagreements"] == {}
+
+
 def test_one_policy_for_the_whole_log_or_no_drain_disagrees_with_what_happened() -> None:
     log = as_log(RECORDS)
     # The old way: one policy for everything (the strict one refuses what the roomy one admitted).
