@@ -239,9 +239,10 @@ def limits_metadata(limits: Headers) -> dict[str, str]:
 
 
 class ResponseSample:
-    """Whether an admitted request's response headers are asked for: one request in ``every`` (1: each
-    one), by a counter, so the share is exact and a test can tell which: the first, then every
-    ``every``-th after it. Counted in ``counts`` (``extproc_response_headers_total``).
+    """Whether a request's response headers are asked for: one request in ``every`` (1: each one), by a
+    counter, so the share is exact and a test can tell which: the first, then every ``every``-th after
+    it. Asked when the mode is sent: with the admission made on the headers, or with the answer that
+    asks for the body (a request then refused on its body took its turn all the same).
 
     Nothing else depends on the message: a token budget's charge is read by the proxy (the usage
     filter, the rate limit filter's call at stream end: ``core/usage.py``), the slot is released when
@@ -249,23 +250,19 @@ class ResponseSample:
     x-ratelimit-* go through dynamic metadata. What a request not sampled loses: its service time is
     not learnt (no status says it was a success), and its decision line has ``status: null``."""
 
-    __slots__ = ("_left", "counts", "every")
+    __slots__ = ("_left", "every")
 
-    def __init__(self, every: int = 1, counts: ResponseCounts | None = None) -> None:
+    def __init__(self, every: int = 1) -> None:
         if every < 1:
             raise ValueError(f"the response sample must be 1 or more, not {every}")
         self.every = every
-        self.counts = counts if counts is not None else ResponseCounts()
         self._left = 0
 
     def __call__(self) -> bool:
-        counts = self.counts
         if self._left:
             self._left -= 1
-            counts.skipped += 1
             return False
         self._left = self.every - 1
-        counts.asked += 1
         return True
 
 
@@ -531,7 +528,7 @@ class _Request:
             intake.tenant(head.method, head.path, head.headers)
 
     def on_response_headers(self, message: pb.HttpHeaders) -> pb.ProcessingResponse:
-        self.p.sample.counts.received += 1
+        self.p.responses.received += 1
         self.status = _status_of(message)
         if not self.limits:
             return _RESPONSE_HEADERS_PASSTHROUGH
@@ -595,6 +592,10 @@ class _Request:
             # Decided on its headers: this answer carries the mode (a body's answer cannot change it).
             self.sampled = self.p.sample()
         sampled = self.sampled
+        if sampled:
+            self.p.responses.asked += 1
+        else:
+            self.p.responses.skipped += 1
         # Not sampled: the response headers never reach extproc, so the edge's x-ratelimit-* travel in
         # the metadata, for the proxy's route to add (sampled: on the response-headers answer, as ever).
         limits = _NO_LIMITS if sampled else self.limits
@@ -742,7 +743,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                  policy_hash: Callable[[], str] = str, response_sample: int = 1) -> None:
         self.controller = controller
         #: Which admitted requests' response headers are asked for (one in ``response_sample``).
-        self.sample = ResponseSample(response_sample, controller.metrics.responses)
+        self.sample = ResponseSample(response_sample)
+        #: Admitted requests whose response headers were asked for or not, and those that came.
+        self.responses: ResponseCounts = controller.metrics.responses
         #: The sha256 of the policy file in force (read as each request is decided).
         self.policy_hash = policy_hash
         #: Refuses at once what reaches extproc too late to be worth deciding (0: off).
