@@ -1,9 +1,12 @@
 """Self-sizing capacity (capacity.max_inflight: auto) against the best hand-set limit.
 
 For each engine profile, the chatbot workload at 1.5x the engine's capacity runs through
-examples/auto-policy.yaml twice in the simulator: with its self-sizing limit, and with every
-static limit of a sweep (the same policy sized at N slots). The best static N is what an SRE
-would have had to find by hand; `ratio` is auto's goodput over that best static's. Profiles:
+examples/auto-policy.yaml in the simulator: with its self-sizing limit, and with every static
+limit of a sweep (the same policy sized at N slots), on `--sim-seeds` seeded workloads (default 3:
+seeds SEED, SEED+1, ...; a figure moves from seed to seed). The best static N, the limit with the
+highest mean goodput over the seeds, is what an SRE would have had to find by hand; `ratio` is the
+median over the seeds of auto's goodput over that best static's (each seed's in `ratios`); goodputs
+are medians, `interactive_refused` sums the seeds. Profiles:
 llama-70b-2xh100 (x0.1), llama-8b-h100 (x1), llama-8b-l4 (x1: one small GPU, little KV cache),
 the 70B with a long-prompt variant of the workload (mean prompt 3,000 tokens), and two engines
 whose dynamics differ from the vLLM-like model the limit was tuned on (extproc/sim/dynamics.py),
@@ -20,7 +23,7 @@ for `auto` and `best_static`.
 `cold_start[LOAD][WHO]` (each simulated profile): from a cold start (one replica without a store, an
 idle engine) at 0.4x, 1x and 2x the engine's capacity, over the first 30 s, the interactive lane's
 `refused` (first attempts answered 429 or 503) and `ttft_p99_s`, for `auto` and `best_static` (the
-best limit of the profile's 1.5x sweep).
+best limit of the profile's 1.5x sweep): the medians over the seeds, each seed's in `runs`.
 
 The step: the engine runs at full capacity, then half (slots, KV cache and step speed), then
 full again (sim backend --capacity-schedule). `settle_s_down`/`settle_s_up`: seconds after each
@@ -37,9 +40,9 @@ llama-13b-a100-v0 at x0.5 (45 s each), `--runs` seeded runs each (default 3: see
 ...; the same requests for auto and static within a seed). A live figure moves from run to run:
 `ratio` is the median of the runs' ratios, each in `ratios` (and in `runs`, with each run's
 goodputs and refusals); `best_static_goodput`/`auto_goodput` are medians, `interactive_refused`
-sums the runs. The whole bench should take about 45 minutes, the live runs most of it.
+sums the runs. The whole bench should take about an hour, the live runs most of it.
 
-    .venv/bin/python bench/adaptive.py [--quick] [--no-live] [--runs N] [--profiles NAME,...]
+    .venv/bin/python bench/adaptive.py [--quick] [--no-live] [--runs N] [--sim-seeds N] [--profiles NAME,...]
 
 `--profiles` runs only those (sim and live; the step needs llama-70b-2xh100). Writes
 bench/results/adaptive.json and bench/results/adaptive.png.
@@ -124,32 +127,48 @@ def sim_duration(name: str, time_scale: float, variant: str, least: float, reque
     return min(MAX_SIM_S, max(least, requests / spec.arrivals.rate))
 
 
-def sim_profile(policy: Policy, name: str, time_scale: float, variant: str, least: float, requests: int
-                ) -> dict[str, Any]:
+def sim_profile(policy: Policy, name: str, time_scale: float, variant: str, least: float, requests: int,
+                seeds: int = 1) -> dict[str, Any]:
+    """Auto against every static limit of the sweep, on ``seeds`` seeded workloads (SEED, SEED+1, ...):
+    the best static limit is the one with the highest mean goodput over them; ``ratio`` the median of
+    the seeds' ratios (each in ``ratios``); goodputs are medians, refusals sum the seeds."""
     duration = sim_duration(name, time_scale, variant, least, requests)
-    spec, arrivals = workload(variant, name, time_scale, duration)
     profile = get_profile(name)
-    sim = Simulator(profile, time_scale=time_scale, client=spec.client, seed=SEED)
-    sweep, refused = {}, {}
-    for n in SWEEP:
-        if n > 2 * profile.max_running:
-            break
-        results = sim.run(arrivals, static(policy, n)).results
-        sweep[n], refused[n] = goodput(results, spec, duration), interactive_refused(results)
-    auto_run = sim.run(arrivals, policy)
-    auto = goodput(auto_run.results, spec, duration)
-    best = max(sweep, key=lambda n: sweep[n])
-    limits = [limit for _, limit, _, _ in auto_run.timeline]
-    cold = cold_start(policy, name, time_scale, variant, best)
+    sweeps: list[dict[int, tuple[float, int]]] = []
+    autos: list[tuple[float, int]] = []
+    limits: list[int] = []
+    rate = 0.0
+    count = 0
+    for seed in range(SEED, SEED + seeds):
+        spec, arrivals = workload(variant, name, time_scale, duration, seed=seed)
+        rate, count = spec.arrivals.rate, count + len(arrivals)
+        sim = Simulator(profile, time_scale=time_scale, client=spec.client, seed=seed)
+        sweep = {}
+        for n in SWEEP:
+            if n > 2 * profile.max_running:
+                break
+            results = sim.run(arrivals, static(policy, n)).results
+            sweep[n] = (goodput(results, spec, duration), interactive_refused(results))
+        sweeps.append(sweep)
+        auto_run = sim.run(arrivals, policy)
+        autos.append((goodput(auto_run.results, spec, duration), interactive_refused(auto_run.results)))
+        limits.extend(limit for _, limit, _, _ in auto_run.timeline)
+    mean = {n: statistics.fmean(sweep[n][0] for sweep in sweeps) for n in sweeps[0]}
+    best = max(mean, key=lambda n: mean[n])
+    ratios = [round(auto / sweep[best][0], 3) if sweep[best][0] else None
+              for (auto, _), sweep in zip(autos, sweeps, strict=True)]
+    known = [r for r in ratios if r is not None]
+    cold = cold_start(policy, name, time_scale, variant, best, seeds)
     return {"name": profile_name(name, variant), "mode": "sim",
             "cold_start": cold,
-            "time_scale": time_scale, "rate": round(spec.arrivals.rate, 2), "requests": len(arrivals),
-            "duration_s": round(duration, 1),
-            "best_static": best, "best_static_goodput": round(sweep[best], 3), "auto_goodput": round(auto, 3),
-            "ratio": round(auto / sweep[best], 3) if sweep[best] else None,
-            "interactive_refused": {"auto": interactive_refused(auto_run.results),
-                                    "best_static": refused[best]},
-            "sweep": {str(n): round(g, 3) for n, g in sweep.items()},
+            "time_scale": time_scale, "rate": round(rate, 2), "requests": count,
+            "duration_s": round(duration, 1), "seeds": list(range(SEED, SEED + seeds)),
+            "best_static": best, "best_static_goodput": round(median([s[best][0] for s in sweeps]) or 0, 3),
+            "auto_goodput": round(median([auto for auto, _ in autos]) or 0, 3),
+            "ratio": median(known) if known else None, "ratios": ratios,
+            "interactive_refused": {"auto": sum(refused for _, refused in autos),
+                                    "best_static": sum(s[best][1] for s in sweeps)},
+            "sweep": {str(n): round(g, 3) for n, g in mean.items()},
             "auto_limit_median": sorted(limits)[len(limits) // 2] if limits else None}
 
 
@@ -158,20 +177,31 @@ COLD_WINDOW_S = 30.0
 COLD_LOADS = (0.4, 1.0, 2.0)
 
 
-def cold_start(policy: Policy, name: str, time_scale: float, variant: str, best: int
+def cold_start(policy: Policy, name: str, time_scale: float, variant: str, best: int, seeds: int = 1
                ) -> dict[str, dict[str, dict[str, Any]]]:
     """From a cold start (one replica, no store, an idle engine), over the first ``COLD_WINDOW_S``
     seconds at each of ``COLD_LOADS`` times the engine's capacity: the interactive lane's ``refused``
     (first attempts answered 429 or 503) and ``ttft_p99_s``, for auto and the best static limit of
-    the profile's sweep."""
+    the profile's sweep; with several ``seeds``, the median of each over them (each seed's in ``runs``)."""
     profile = get_profile(name)
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for load in COLD_LOADS:
-        spec, arrivals = workload(variant, name, time_scale, COLD_WINDOW_S + 10.0, load)
-        sim = Simulator(profile, time_scale=time_scale, client=spec.client, seed=SEED)
-        out[f"{load:g}"] = {who: cold_window(sim.run(arrivals, run_policy).results)
-                            for who, run_policy in (("auto", policy), ("best_static", static(policy, best)))}
+        each: dict[str, list[dict[str, Any]]] = {"auto": [], "best_static": []}
+        for seed in range(SEED, SEED + seeds):
+            spec, arrivals = workload(variant, name, time_scale, COLD_WINDOW_S + 10.0, load, seed)
+            sim = Simulator(profile, time_scale=time_scale, client=spec.client, seed=seed)
+            for who, run_policy in (("auto", policy), ("best_static", static(policy, best))):
+                each[who].append(cold_window(sim.run(arrivals, run_policy).results))
+        out[f"{load:g}"] = {who: _median_window(runs) for who, runs in each.items()}
     return out
+
+
+def _median_window(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    if len(runs) == 1:
+        return runs[0]
+    ttfts = [r["ttft_p99_s"] for r in runs if r["ttft_p99_s"] is not None]
+    return {"refused": median([r["refused"] for r in runs]), "ttft_p99_s": median(ttfts) if ttfts else None,
+            "requests": median([r["requests"] for r in runs]), "runs": runs}
 
 
 def cold_window(results: list[Result], since: float = 0.0) -> dict[str, Any]:
@@ -430,13 +460,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-live", action="store_true", help="the simulator only")
     parser.add_argument("--runs", type=int, default=3, metavar="N",
                         help="seeded live runs of auto and of the best static per profile (default 3)")
+    parser.add_argument("--sim-seeds", type=int, default=3, metavar="N",
+                        help="seeded workloads per simulated profile and cold start (default 3)")
     parser.add_argument("--profiles", metavar="NAME[,NAME...]",
                         help="only these profiles (as named in the output, e.g. llama-8b-l40s-tgi or "
                              "llama-70b-2xh100/long-prompt); the step runs only with llama-70b-2xh100")
     parser.add_argument("--out", default=str(RESULTS / "adaptive"))
     args = parser.parse_args()
-    if args.runs < 1:
-        parser.error("--runs must be at least 1")
+    if args.runs < 1 or args.sim_seeds < 1:
+        parser.error("--runs and --sim-seeds must be at least 1")
     known = [profile_name(name, variant) for name, _, variant in PROFILES]
     args.only = set(known)
     if args.profiles:
@@ -458,12 +490,12 @@ def main() -> int:
             continue
         print(f"sim {name} {variant}", file=sys.stderr)
         sims.append(sim_profile(policy, name, time_scale, variant, sim_duration,
-                                2_000 if args.quick else MIN_REQUESTS))
+                                2_000 if args.quick else MIN_REQUESTS, args.sim_seeds))
     doc: dict[str, Any] = {
         "benchmark": "adaptive", "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "parameters": {"load": LOAD, "seed": SEED, "policy": "examples/auto-policy.yaml",
                        "workload": "examples/workloads/chatbot.yaml", "sim_duration_s": sim_duration,
-                       "sim_min_requests": MIN_REQUESTS, "live_runs": args.runs},
+                       "sim_min_requests": MIN_REQUESTS, "live_runs": args.runs, "sim_seeds": args.sim_seeds},
         "profiles": sims,
     }
     best = next((p["best_static"] for p in sims if p["name"] == "llama-70b-2xh100"), None)
