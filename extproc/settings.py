@@ -33,7 +33,7 @@ class Settings:
     log_format: str = "json"
     log_level: str = "info"
     shutdown_grace_s: float = 30.0
-    overload_after_s: float = 0.1
+    overload_after_s: float = 0.05
     """A request whose headers reach extproc more than this after the proxy stamped its arrival is
     refused at once (503 overloaded) rather than decided, once such late ones have come for twice this
     on end: extproc is beyond its decision rate (core/overload.py). 0: off."""
