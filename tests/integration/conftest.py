@@ -6,13 +6,15 @@ import contextlib
 import re
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from aiohttp import web
 
 from extproc.localstack import Process, Stack, envoy_config, free_port, stack, wait_http
 from tests.integration.kueue_exporter import Exporter
@@ -146,3 +148,18 @@ def exporter() -> Iterator[Exporter]:
         yield e
     finally:
         e.stop()
+
+
+async def serve_http(exits: AsyncExitStack, handle: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                     ) -> int:
+    """An HTTP server on a free loopback port answering every method and path with ``handle``, stopped
+    when ``exits`` closes; its port."""
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    exits.push_async_callback(runner.cleanup)
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port: int = runner.addresses[0][1]
+    return port

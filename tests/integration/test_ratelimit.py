@@ -40,7 +40,7 @@ from extproc.policy import Policy
 from extproc.policy.ratelimit import RateLimit
 from extproc.servers.extproc import ExternalProcessor
 from extproc.servers.ratelimit import RateLimitService, add_to_server
-from tests.integration.conftest import as_tenant
+from tests.integration.conftest import as_tenant, serve_http
 
 pytestmark = pytest.mark.envoy
 
@@ -169,14 +169,7 @@ async def make_edge(tmp_path: Path, edge_mode: str) -> AsyncIterator[MakeEdge]:
             exits.push_async_callback(server.stop, None)
 
             upstream = Upstream()
-            app = web.Application()
-            app.router.add_route("*", "/{tail:.*}", upstream.handle)
-            runner = web.AppRunner(app, access_log=None)
-            await runner.setup()
-            exits.push_async_callback(runner.cleanup)
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            upstream_port = runner.addresses[0][1]
+            upstream_port = await serve_http(exits, upstream.handle)
 
             def point_rls_elsewhere(doc: dict[str, Any]) -> None:
                 if mode == "both":  # the call form, and the proxy's word that ext_proc judges as well

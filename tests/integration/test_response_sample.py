@@ -34,7 +34,7 @@ from extproc.metrics import Metrics, RateLimitMetrics
 from extproc.policy import Policy
 from extproc.servers.extproc import ExternalProcessor
 from extproc.servers.ratelimit import RateLimitService, add_to_server
-from tests.integration.conftest import Env, as_tenant
+from tests.integration.conftest import Env, as_tenant, serve_http
 
 pytestmark = pytest.mark.envoy
 
@@ -174,14 +174,7 @@ async def make(tmp_path: Path) -> AsyncIterator[Make]:
             exits.push_async_callback(server.stop, None)
 
             upstream = Upstream()
-            app = web.Application()
-            app.router.add_route("*", "/{tail:.*}", upstream.handle)
-            runner = web.AppRunner(app, access_log=None)
-            await runner.setup()
-            exits.push_async_callback(runner.cleanup)
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            upstream_port = runner.addresses[0][1]
+            upstream_port = await serve_http(exits, upstream.handle)
 
             listen, admin = free_port(), free_port()
             stack = Stack(tmp_path)
