@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import re
 import sys
@@ -163,3 +164,13 @@ async def serve_http(exits: AsyncExitStack, handle: Callable[[web.Request], Awai
     await site.start()
     port: int = runner.addresses[0][1]
     return port
+
+
+async def until(predicate: Callable[[], bool], what: str, within_s: float = 10.0) -> None:
+    """Wait for a state the test needs before its next step (not a speed assertion)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)

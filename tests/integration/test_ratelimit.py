@@ -40,7 +40,7 @@ from extproc.policy import Policy
 from extproc.policy.ratelimit import RateLimit
 from extproc.servers.extproc import ExternalProcessor
 from extproc.servers.ratelimit import RateLimitService, add_to_server
-from tests.integration.conftest import as_tenant, serve_http
+from tests.integration.conftest import as_tenant, serve_http, until
 
 pytestmark = pytest.mark.envoy
 
@@ -116,16 +116,6 @@ class Edge:
     def envoy_stat(self, name: str) -> int:
         text = httpx.get(f"{self.admin}/stats?filter=^{name}$", timeout=5).text
         return int(text.split(":")[1]) if ":" in text else 0
-
-
-async def until(predicate: Callable[[], bool], what: str, within_s: float = 10.0) -> None:
-    """Wait for a state the test needs before its next step (not a speed assertion)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within_s
-    while not predicate():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 MakeEdge = Callable[..., Awaitable[Edge]]

@@ -34,7 +34,7 @@ from extproc.metrics import Metrics, RateLimitMetrics
 from extproc.policy import Policy
 from extproc.servers.extproc import ExternalProcessor
 from extproc.servers.ratelimit import RateLimitService, add_to_server
-from tests.integration.conftest import Env, as_tenant, serve_http
+from tests.integration.conftest import Env, as_tenant, serve_http, until
 
 pytestmark = pytest.mark.envoy
 
@@ -127,16 +127,6 @@ class Records:
         self.records.append({"event": event, **fields})
 
     warning = error = exception = info
-
-
-async def until(predicate: Callable[[], bool], what: str, within_s: float = 10.0) -> None:
-    """Wait for a state the test needs before its next step (not a speed assertion)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within_s
-    while not predicate():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 Make = Callable[..., Awaitable[Setup]]
