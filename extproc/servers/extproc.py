@@ -604,8 +604,11 @@ class _Request:
         usage = plan(self.p.controller.policy.ratelimit, t.tenant, head.path, head.headers,
                      self.body) if head is not None else None
         if (usage is None or not usage.record) and not remove:
-            # (The usual case: an answer with nothing of its own.)
-            return _ADMISSIONS((phase, headers, sampled, limits))
+            # (The usual case: an answer with nothing of its own. One carrying the edge's limits, whose
+            # remaining count moves with every request, is built for it: kept, it would only push the
+            # answers that do recur out of the cache.)
+            key = (phase, headers, sampled, limits)
+            return _ADMISSIONS(key) if not limits else _admission(key)
         response, common = _answer_in(phase, sampled)
         if usage is None or not usage.record:
             _continue(common, remove, headers)

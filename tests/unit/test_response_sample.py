@@ -364,3 +364,21 @@ def test_the_demo_and_outcomes_runs_take_the_sample_for_their_extproc() -> None:
     assert parser.parse_args(["--response-sample", "8"]).response_sample == 8
     with pytest.raises(SystemExit):
         parser.parse_args(["--response-sample", "0"])
+
+
+async def test_answers_carrying_the_edges_limits_are_not_kept_in_the_shared_cache() -> None:
+    # Their remaining count moves with every request: kept, each would push out an answer that recurs.
+    from extproc.servers import extproc as servicer
+    servicer._ADMISSIONS._kept.clear()
+    stack = Stack(policy(ratelimit={"budgets": {"default": {"requests": 100, "per": "hour"}}}), every=8,
+                  edge=EDGE)
+    stack.controller.start()
+    try:
+        streams = [await stack.envoy.request(edge=True, body=None) for _ in range(8)]
+    finally:
+        await stack.controller.stop()
+    unsampled = [s[0] for s in streams[1:]]
+    assert [a.dynamic_metadata["extproc"]["ratelimit_remaining"] for a in unsampled] == \
+        [str(n) for n in range(98, 91, -1)]
+    # Only the sampled one's answer, which carries no limits, is kept.
+    assert [key[3] for key in servicer._ADMISSIONS._kept] == [()]
