@@ -174,3 +174,15 @@ async def until(predicate: Callable[[], bool], what: str, within_s: float = 10.0
         if loop.time() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.02)
+
+
+class LogRecords:
+    """A bound logger's stand-in that keeps each record (the servicers' own loggers are cached)."""
+
+    def __init__(self, records: list[dict[str, Any]]) -> None:
+        self.records = records
+
+    def info(self, event: str, **fields: Any) -> None:
+        self.records.append({"event": event, **fields})
+
+    warning = error = exception = info

@@ -40,7 +40,7 @@ from extproc.policy import Policy
 from extproc.policy.ratelimit import RateLimit
 from extproc.servers.extproc import ExternalProcessor
 from extproc.servers.ratelimit import RateLimitService, add_to_server
-from tests.integration.conftest import as_tenant, serve_http, until
+from tests.integration.conftest import LogRecords, as_tenant, serve_http, until
 
 pytestmark = pytest.mark.envoy
 
@@ -143,14 +143,14 @@ async def make_edge(tmp_path: Path, edge_mode: str) -> AsyncIterator[MakeEdge]:
             server = grpc.aio.server()
             records: list[dict[str, Any]] = []
             processor = ExternalProcessor(controller, policy_hash=lambda: POLICY_HASH)
-            processor.log = processor.records = Recorder(records)  # type: ignore[assignment]
+            processor.log = processor.records = LogRecords(records)  # type: ignore[assignment]
             ext_proc_grpc.add_ExternalProcessorServicer_to_server(processor, server)
             live = Live(config or RateLimit())
             if rls:
                 # Wired as App wires it: its sheds counted as every refusal is.
                 service = RateLimitService(controller.machine, RateLimitMetrics(registry), live.read,
                                            refused=controller.refused, policy_hash=lambda: POLICY_HASH)
-                service.log = Recorder(records)  # type: ignore[assignment]
+                service.log = LogRecords(records)  # type: ignore[assignment]
                 add_to_server(service, server)
                 if mode != "call":
                     processor.edge = service
@@ -189,18 +189,6 @@ async def make_edge(tmp_path: Path, edge_mode: str) -> AsyncIterator[MakeEdge]:
 
 
 POLICY_HASH = "5e" * 32
-
-
-class Recorder:
-    """A bound logger's stand-in that keeps each record (the servicers' own loggers are cached)."""
-
-    def __init__(self, records: list[dict[str, Any]]) -> None:
-        self.records = records
-
-    def info(self, event: str, **fields: Any) -> None:
-        self.records.append({"event": event, **fields})
-
-    warning = error = exception = info
 
 
 async def access_log(edge: Edge, count: int) -> list[dict[str, Any]]:

@@ -34,7 +34,7 @@ from extproc.metrics import Metrics, RateLimitMetrics
 from extproc.policy import Policy
 from extproc.servers.extproc import ExternalProcessor
 from extproc.servers.ratelimit import RateLimitService, add_to_server
-from tests.integration.conftest import Env, as_tenant, serve_http, until
+from tests.integration.conftest import Env, LogRecords, as_tenant, serve_http, until
 
 pytestmark = pytest.mark.envoy
 
@@ -117,18 +117,6 @@ class Setup:
                 for kind in ("asked", "skipped", "received")}
 
 
-class Records:
-    """A bound logger's stand-in that keeps each decision record."""
-
-    def __init__(self, records: list[dict[str, Any]]) -> None:
-        self.records = records
-
-    def info(self, event: str, **fields: Any) -> None:
-        self.records.append({"event": event, **fields})
-
-    warning = error = exception = info
-
-
 Make = Callable[..., Awaitable[Setup]]
 
 
@@ -152,7 +140,7 @@ async def make(tmp_path: Path) -> AsyncIterator[Make]:
             server = grpc.aio.server()
             records: list[dict[str, Any]] = []
             processor = ExternalProcessor(controller, response_sample=every)
-            processor.records = Records(records)  # type: ignore[assignment]
+            processor.records = LogRecords(records)  # type: ignore[assignment]
             # The edge judged in ext_proc, as shipped: its x-ratelimit-* on every response.
             edge = RateLimitService(controller.machine, RateLimitMetrics(registry),
                                     lambda: controller.policy.ratelimit, refused=controller.refused)
