@@ -12,13 +12,18 @@ token (TPOT) p95.
   sheds only a few waiting requests (ones caught between two engine steps look the same), not itself
   down to what runs; and a few waiting while TTFT p95 is under half its target are no queue at all
   (they cost no first token: an engine that takes new requests into its batch every few steps shows
-  some at most samples with slots free). A latency percentile above its target cuts the limit in
-  proportion (target / observed, between ×0.5 and ×0.95; a TPOT, which a smaller batch shortens only
-  a little, by ×0.9 at most). A percentile looks back over its window (the signal's ``window``, or a
-  query's ``[range]``), so after a fall it may cut again only once that window and ``cooldown`` have
-  passed (for TTFT, the window plus the TTFT seen: a first token seen now is of a request admitted
-  that long ago); the queue always may (it is a gauge). Each fall remembers where the engines had
-  too many: what ran then (not a limit far above it).
+  some at most samples with slots free). A larger queue with TTFT p95 still under half its target
+  (an engine that prefills waiting requests first, or preempts and resumes) is cheap: the limit
+  keeps a quarter over what runs, once per ``cooldown``, rather than falling to what runs (that
+  threw away the buffer a static limit keeps, and left lower lanes holding slots from the higher
+  limit while the interactive lane waited out its deadline). A latency percentile above its target
+  cuts the limit in proportion (target / observed, between ×0.5 and ×0.95; a TPOT, which a smaller
+  batch shortens only a little, by ×0.9 at most). A percentile looks back over its window (the
+  signal's ``window``, or a query's ``[range]``), so after a fall it may cut again only once that
+  window and ``cooldown`` have passed (for TTFT, the window plus the TTFT seen: a first token seen
+  now is of a request admitted that long ago); the queue always may (it is a gauge). Each fall
+  remembers where the engines had too many: what ran then (not a limit far above it; a cheap
+  queue's trim leaves it).
 * **Grow carefully.** Only while every fresh signal has headroom (no engine queue beyond the
   target, latencies below 90 % of their targets) *and* the limit is what holds traffic back
   (in flight ≥ 90 % of the limit, or ≥ 75 % while requests wait in extproc's queues for want of a
@@ -74,6 +79,9 @@ _HEADROOM, _PRESSED, _PRESSED_HELD = 0.9, 0.9, 0.75
 #: An engine queue this many times the target (+1) is acted on at once; a smaller one only when
 #: the previous tick saw one too (a request that arrived just before the sample waits one step).
 _CLEAR_QUEUE = 4
+#: A queue that costs no first token yet (TTFT p95 under _QUEUE_TTFT of its target) keeps this share
+#: over what the engines run: the engines' own queue is what feeds their next step.
+_CHEAP_BUFFER = 0.25
 #: Decay per interval once stale signals outlast stale_hold.
 _DECAY = 0.9
 #: A few requests waiting at the engines while TTFT p95 is under this share of its target cost no
@@ -201,6 +209,9 @@ class AutoLimit:
                 return seeded  # (else what runs says nothing new: the usual rules, this same tick)
         queueing, act = self._queue_seen(fresh)
         if act:
+            ttft, goal = fresh.get("ttft_p95"), self.auto.target.ttft_p95
+            if ttft is not None and goal is not None and ttft < _QUEUE_TTFT * goal:
+                return self._cheap_queue(fresh["waiting"], inflight, now)
             return self._queue_fall(fresh["waiting"], inflight, now)
         over, cut = self._latency_cut(fresh, inflight, now)
         if over:
@@ -257,6 +268,32 @@ class AutoLimit:
             self._cut(now, min(was, max(trouble, self._value)) if full else None)
         return self._moved(before, now, "engine_queue",
                            f"the engines queue {waiting:g} requests (target {target.queue})")
+
+    def _cheap_queue(self, waiting: float, inflight: int, now: float) -> Move | None:
+        """A queue at the engines (four times the target, or seen twice) while TTFT p95 is under half
+        its target: it costs no first token yet (an engine that prefills waiting requests first, or
+        one that preempts and resumes). Its own queue is what feeds the engines' next step: keep a
+        quarter over what they run (at most halving), once per cooldown, and leave where the engines
+        had too many as it was. Falling to what runs, as for a costly queue, took the buffer a static
+        limit keeps, and left the lanes below the highest holding slots admitted at the higher limit:
+        the interactive lane waited past its deadline while they drained. A queue that does cost
+        meets the full fall once TTFT shows it, on a later tick: the queue of engines that just lost
+        capacity looks cheap until its requests' first tokens come late (a few seconds at a quarter
+        over what runs; bench/adaptive.py's step measures it)."""
+        auto, before = self.auto, self.limit
+        self._slow_start = False  # the engines are full: the start is over (where they had too many: unknown)
+        if now - self._last_cut < auto.cooldown:
+            return None
+        runs = inflight - (waiting - auto.target.queue)
+        fall_to = max(float(auto.min), self._value * (1 - _MAX_CUT), runs * (1 + _CHEAP_BUFFER))
+        if fall_to >= self._value:
+            return None
+        self._value = fall_to
+        self._last_cut = now
+        self._growth = _GROW_FIRST
+        return self._moved(before, now, "engine_queue",
+                           f"the engines queue {waiting:g} requests (target {auto.target.queue}) at a TTFT "
+                           f"p95 under half its target: a quarter over the {max(runs, 0):g} they run")
 
     def _latency_cut(self, fresh: Mapping[Role, float], inflight: int, now: float
                      ) -> tuple[bool, Move | None]:

@@ -111,11 +111,40 @@ def test_a_few_waiting_that_cost_no_first_token_are_not_a_queue() -> None:
     move = slow.update(readings(2, waiting=3), inflight=64, held=True, now=2)
     assert move is not None
     assert (move.limit, move.reason) == (61, "engine_queue")
-    # A queue four times over the target is one whatever TTFT says (it has not reached TTFT yet).
+    # A queue four times over the target is one whatever TTFT says; with TTFT under half its target
+    # it costs no first token yet: a quarter over what runs (44), not down to it.
     big = auto_of(policy(start=64))
     move = big.update(readings(0, waiting=20, ttft=0.3), inflight=64, held=True, now=0)
     assert move is not None
-    assert (move.limit, move.reason) == (44, "engine_queue")
+    assert (move.limit, move.reason) == (55, "engine_queue")
+    assert "a quarter over the 44 they run" in move.why
+
+
+def test_a_queue_that_costs_no_first_token_keeps_a_buffer_over_what_runs_once_per_cooldown() -> None:
+    """An engine that prefills waiting requests first (or preempts and resumes) queues at a low TTFT:
+    the limit keeps a quarter over what the engines run, at most halving, and moves again only after
+    the cooldown. The same queue at a TTFT over half its target falls to what runs."""
+    a = auto_of(policy(start=160, cooldown="6s"))
+    move = a.update(readings(0, waiting=20, ttft=0.3), inflight=100, held=True, now=0)
+    assert move is not None
+    assert (move.previous, move.limit) == (160, 100)  # 80 run: 100, where the start's doubling stops
+    assert a.update(readings(2, waiting=30, ttft=0.3), inflight=100, held=True, now=2) is None
+    assert a.update(readings(4, waiting=30, ttft=0.3), inflight=100, held=True, now=4) is None
+    assert a.limit == 100  # the queue grew, but within the cooldown
+    move = a.update(readings(6, waiting=30, ttft=0.3), inflight=100, held=True, now=6)
+    assert move is not None
+    assert move.limit == 87  # a quarter over the 70 that run
+    # Far above what runs, it falls at most by half.
+    halved = auto_of(policy(start=256))
+    assert halved.update(readings(0, waiting=20, ttft=0.3), inflight=60, held=True, now=0) is not None
+    assert halved.limit == 128
+    # The queue gone, growth resumes (+5 %: the start ended at the queue, no doubling).
+    assert a.update(readings(8, ttft=0.3), inflight=87, held=True, now=8) is not None
+    assert a.limit == 91
+    # The same queue with TTFT over half its target costs first tokens: down to what runs.
+    move = a.update(readings(10, waiting=20, ttft=0.6), inflight=91, held=True, now=10)
+    assert move is not None
+    assert move.limit == 71
 
 
 def test_a_request_or_two_waiting_below_a_loose_limit_trims_it_not_down_to_what_runs() -> None:
