@@ -254,17 +254,25 @@ def ttft_detail(results: list[Result], since: float) -> dict[str, Any]:
             if inter else None}
 
 
-def sim_step(policy: Policy, duration: float, best: int) -> tuple[dict[str, Any], Run, float]:
+def sim_step(policy: Policy, duration: float, best: int, seeds: int = 1) -> tuple[dict[str, Any], Run, float]:
     """The step in the simulator; beside auto, the best static limit for the full engine (``best``)
-    through the same step: what a hand-set number does when the engine loses half its capacity."""
+    through the same step: what a hand-set number does when the engine loses half its capacity.
+    With several ``seeds``, each figure is the median over them (each seed's in ``runs``); the
+    timeline and the plot are the first seed's."""
     third = duration / 3
-    spec, requests = workload("chatbot", "llama-70b-2xh100", 0.1, duration)
-    sim = Simulator(get_profile("llama-70b-2xh100"), time_scale=0.1, client=spec.client, seed=SEED,
-                    capacity_schedule=((0.0, 1.0), (third, 0.5), (2 * third, 1.0)))
-    run = sim.run(requests, policy)
-    fixed = sim.run(requests, static(policy, best))
-    timeline = [(t, limit) for t, limit, _, _ in run.timeline]
-    return {"settle_s_down": settle(timeline, third, 2 * third),
+    runs: list[dict[str, Any]] = []
+    first: Run | None = None
+    for seed in range(SEED, SEED + seeds):
+        spec, requests = workload("chatbot", "llama-70b-2xh100", 0.1, duration, LOAD, seed)
+        sim = Simulator(get_profile("llama-70b-2xh100"), time_scale=0.1, client=spec.client, seed=seed,
+                        capacity_schedule=((0.0, 1.0), (third, 0.5), (2 * third, 1.0)))
+        run = sim.run(requests, policy)
+        fixed = sim.run(requests, static(policy, best))
+        first = first or run
+        timeline = [(t, limit) for t, limit, _, _ in run.timeline]
+        runs.append({
+            "seed": seed,
+            "settle_s_down": settle(timeline, third, 2 * third),
             "settle_s_up": settle(timeline, 2 * third, duration),
             **ttft_detail(run.results, third),
             "limit_end_of_phase": [limit_at(timeline, third), limit_at(timeline, 2 * third),
@@ -272,8 +280,30 @@ def sim_step(policy: Policy, duration: float, best: int) -> tuple[dict[str, Any]
             "goodput_during": round(goodput([r for r in run.results if r.at >= third], spec, 2 * third), 3),
             "static": {"max_inflight": best, **ttft_detail(fixed.results, third),
                        "goodput_during": round(goodput([r for r in fixed.results if r.at >= third], spec,
-                                                       2 * third), 3)},
-            "schedule": f"0:1,{third:g}:0.5,{2 * third:g}:1", "duration_s": duration}, run, third
+                                                       2 * third), 3)}})
+    assert first is not None
+    out = _median_of(runs) if len(runs) > 1 else {k: v for k, v in runs[0].items() if k != "seed"}
+    if len(runs) > 1:
+        out["limit_end_of_phase"] = runs[0]["limit_end_of_phase"]
+        out["runs"] = runs
+    out.update({"schedule": f"0:1,{third:g}:0.5,{2 * third:g}:1", "duration_s": duration})
+    return out, first, third
+
+
+def _median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each numeric figure of ``runs`` (nested dicts too) as its median over them (None where none has it)."""
+    out: dict[str, Any] = {}
+    for key, value in runs[0].items():
+        if key == "seed":
+            continue
+        if isinstance(value, dict):
+            out[key] = _median_of([r[key] for r in runs])
+        elif (isinstance(value, (int, float)) and not isinstance(value, bool)) or value is None:
+            values = [r[key] for r in runs if isinstance(r[key], (int, float))]
+            out[key] = median(values) if values else None
+        else:
+            out[key] = value
+    return out
 
 
 def limit_at(timeline: list[tuple[float, int]], t: float) -> int | None:
@@ -499,7 +529,7 @@ def main() -> int:
         "profiles": sims,
     }
     best = next((p["best_static"] for p in sims if p["name"] == "llama-70b-2xh100"), None)
-    stepped = sim_step(policy, sim_duration, best) if best is not None else None
+    stepped = sim_step(policy, sim_duration, best, args.sim_seeds) if best is not None else None
     if stepped is not None:
         doc["step"] = stepped[0]
     live_limits: tuple[list[tuple[float, int]], float] | None = None
