@@ -125,6 +125,13 @@ class Stack:
 
         self.controller.release = recording  # type: ignore[method-assign]
 
+    async def __aenter__(self) -> Stack:
+        self.controller.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.controller.stop()
+
     def sample(self, name: str, **labels: str) -> float:
         return self.registry.get_sample_value(name, labels) or 0.0
 
@@ -182,12 +189,8 @@ def test_limits_metadata_names_each_header_once() -> None:
 @pytest.mark.parametrize("read_body", ["always", "never"])
 async def test_one_in_n_gets_the_response_message_and_only_its_time_is_learnt(read_body: str) -> None:
     # read_body: the mode goes with the answer that asks for the body, or with the admission itself.
-    stack = Stack(policy(estimation={"learning_rate": 0.5, "read_body": read_body}), every=4)
-    stack.controller.start()
-    try:
+    async with Stack(policy(estimation={"learning_rate": 0.5, "read_body": read_body}), every=4) as stack:
         streams = [await stack.envoy.request() for _ in range(12)]
-    finally:
-        await stack.controller.stop()
     assert stack.envoy.response_messages == 3
     modes = [s[0].mode_override for s in streams]
     asked = [m.response_header_mode == ProcessingMode.SEND for m in modes]
@@ -212,15 +215,11 @@ async def test_a_request_refused_on_its_body_took_its_turn_and_is_not_counted() 
     # The mode goes with the answer that asks for the body, before the decision: a request refused on
     # its body took its turn (no response headers come for extproc's own refusal), and the counts are
     # of admitted requests only.
-    stack = Stack(policy(estimation={"read_body": "always"}), every=2)
-    stack.controller.start()
-    try:
+    async with Stack(policy(estimation={"read_body": "always"}), every=2) as stack:
         first = await stack.envoy.request()
         refused = await stack.envoy.request(body=b'{"max_tokens": "abc"}')
         third = await stack.envoy.request()
         fourth = await stack.envoy.request()
-    finally:
-        await stack.controller.stop()
     assert refused[1].immediate_response.status.code == 400
     assert [s[0].mode_override.response_header_mode for s in (first, refused, third, fourth)] == [
         ProcessingMode.SEND, ProcessingMode.SKIP, ProcessingMode.SEND, ProcessingMode.SKIP]
@@ -230,12 +229,8 @@ async def test_a_request_refused_on_its_body_took_its_turn_and_is_not_counted() 
 
 
 async def test_every_request_by_default_as_before() -> None:
-    stack = Stack(policy(), every=1)
-    stack.controller.start()
-    try:
+    async with Stack(policy(), every=1) as stack:
         streams = [await stack.envoy.request() for _ in range(3)]
-    finally:
-        await stack.controller.stop()
     assert stack.envoy.response_messages == 3
     assert stack.learnt == [True] * 3
     for answers in streams:
@@ -245,13 +240,9 @@ async def test_every_request_by_default_as_before() -> None:
 
 
 async def test_a_failed_response_teaches_nothing_sampled_or_not() -> None:
-    stack = Stack(policy(), every=2)
-    stack.controller.start()
-    try:
+    async with Stack(policy(), every=2) as stack:
         for _ in range(4):
             await stack.envoy.request(status=503)
-    finally:
-        await stack.controller.stop()
     assert stack.learnt == [False] * 4
     assert [r["status"] for r in stack.records] == [503, None, 503, None]
 
@@ -260,14 +251,10 @@ EDGE = RateLimit.model_validate({"budgets": {"default": {"requests": 100, "per":
 
 
 async def test_not_sampled_the_edges_limits_ride_in_the_metadata_sampled_on_the_response() -> None:
-    stack = Stack(policy(ratelimit={"budgets": {"default": {"requests": 100, "per": "hour"}}}), every=2,
-                  edge=EDGE)
-    stack.controller.start()
-    try:
+    async with Stack(policy(ratelimit={"budgets": {"default": {"requests": 100, "per": "hour"}}}), every=2,
+                  edge=EDGE) as stack:
         sampled = await stack.envoy.request(edge=True, body=None)
         unsampled = await stack.envoy.request(edge=True, body=None)
-    finally:
-        await stack.controller.stop()
     heads, answered = sampled
     assert heads.mode_override.response_header_mode == ProcessingMode.SEND
     assert not heads.HasField("dynamic_metadata")
@@ -286,15 +273,11 @@ async def test_not_sampled_the_edges_limits_ride_in_the_metadata_sampled_on_the_
 async def test_not_sampled_with_a_body_the_limits_ride_on_the_admission_not_the_body_ask() -> None:
     # The body's answer may still refuse it (an ImmediateResponse carries the limits itself): the
     # metadata goes on the admission only.
-    stack = Stack(policy(estimation={"read_body": "always"},
+    async with Stack(policy(estimation={"read_body": "always"},
                          ratelimit={"budgets": {"default": {"requests": 100, "per": "hour"}}}),
-                  every=2, edge=EDGE)
-    stack.controller.start()
-    try:
+                  every=2, edge=EDGE) as stack:
         await stack.envoy.request(edge=True)
         ask, admitted = await stack.envoy.request(edge=True)
-    finally:
-        await stack.controller.stop()
     assert ask.mode_override == extproc.BODY_MODE_UNSAMPLED
     assert not ask.HasField("dynamic_metadata")
     assert admitted.dynamic_metadata["extproc"]["ratelimit_remaining"] == "98"
@@ -304,13 +287,9 @@ async def test_a_token_budget_needs_no_response_message_its_record_keeps_both() 
     # The charge is the proxy's (usage filter, rate limit call at stream end), from what the admission
     # recorded: an unsampled admission records it as ever, beside the edge's limits.
     budgets = {"budgets": {"default": {"requests": 100, "tokens": 10_000, "per": "hour"}}}
-    stack = Stack(policy(ratelimit=budgets), every=8, edge=RateLimit.model_validate(budgets))
-    stack.controller.start()
-    try:
+    async with Stack(policy(ratelimit=budgets), every=8, edge=RateLimit.model_validate(budgets)) as stack:
         await stack.envoy.request(edge=True)
         [admitted] = await stack.envoy.request(edge=True, body=None)
-    finally:
-        await stack.controller.stop()
     record = dict(admitted.dynamic_metadata["extproc"])
     assert {"prompt_tokens", "output_tokens", "service_ms", "admitted_ms"} <= set(record)
     assert {"ratelimit_limit", "ratelimit_remaining", "ratelimit_reset"} <= set(record)
@@ -318,9 +297,7 @@ async def test_a_token_budget_needs_no_response_message_its_record_keeps_both() 
 
 
 async def test_a_client_that_resets_mid_response_unsampled_frees_its_slot_once() -> None:
-    stack = Stack(policy(), every=8)
-    stack.controller.start()
-    try:
+    async with Stack(policy(), every=8) as stack:
         await stack.envoy.request()  # (the sampled one)
         never = asyncio.Event()
         task = asyncio.create_task(stack.envoy.request(before_end=never))
@@ -333,8 +310,6 @@ async def test_a_client_that_resets_mid_response_unsampled_frees_its_slot_once()
         with pytest.raises(asyncio.CancelledError):
             await task
         after = await stack.envoy.request()
-    finally:
-        await stack.controller.stop()
     assert stack.controller.machine.total_inflight == 0
     assert stack.learnt == [True, False, False]
     assert after[0].mode_override.response_header_mode == ProcessingMode.SKIP
@@ -370,13 +345,9 @@ async def test_answers_carrying_the_edges_limits_are_not_kept_in_the_shared_cach
     # Their remaining count moves with every request: kept, each would push out an answer that recurs.
     from extproc.servers import extproc as servicer
     servicer._ADMISSIONS._kept.clear()
-    stack = Stack(policy(ratelimit={"budgets": {"default": {"requests": 100, "per": "hour"}}}), every=8,
-                  edge=EDGE)
-    stack.controller.start()
-    try:
+    async with Stack(policy(ratelimit={"budgets": {"default": {"requests": 100, "per": "hour"}}}), every=8,
+                  edge=EDGE) as stack:
         streams = [await stack.envoy.request(edge=True, body=None) for _ in range(8)]
-    finally:
-        await stack.controller.stop()
     unsampled = [s[0] for s in streams[1:]]
     assert [a.dynamic_metadata["extproc"]["ratelimit_remaining"] for a in unsampled] == \
         [str(n) for n in range(98, 91, -1)]
