@@ -209,8 +209,7 @@ class AutoLimit:
                 return seeded  # (else what runs says nothing new: the usual rules, this same tick)
         queueing, act = self._queue_seen(fresh)
         if act:
-            ttft, goal = fresh.get("ttft_p95"), self.auto.target.ttft_p95
-            if ttft is not None and goal is not None and ttft < _QUEUE_TTFT * goal:
+            if self._queue_is_cheap(fresh):
                 return self._cheap_queue(fresh["waiting"], inflight, now)
             return self._queue_fall(fresh["waiting"], inflight, now)
         over, cut = self._latency_cut(fresh, inflight, now)
@@ -234,11 +233,15 @@ class AutoLimit:
             # A few waiting while the engines still take more in are requests caught between two
             # steps (a burst's prefills), not engines out of room: a start does not stop for them.
             queueing = False
-        ttft, goal = fresh.get("ttft_p95"), target.ttft_p95
-        if queueing and not large and ttft is not None and goal is not None and ttft < _QUEUE_TTFT * goal:
+        if queueing and not large and self._queue_is_cheap(fresh):
             queueing = False  # a few waiting that cost no first token anything
         seen_before, self._queueing = self._queueing, queueing
         return queueing, queueing and (seen_before or large)
+
+    def _queue_is_cheap(self, fresh: Mapping[Role, float]) -> bool:
+        """TTFT p95 under half its target: requests waiting at the engines cost no first token yet."""
+        ttft, goal = fresh.get("ttft_p95"), self.auto.target.ttft_p95
+        return ttft is not None and goal is not None and ttft < _QUEUE_TTFT * goal
 
     def _queue_fall(self, waiting: float, inflight: int, now: float) -> Move | None:
         # What the engines run is what is in flight less what waits in their queues. A limit
