@@ -24,21 +24,23 @@ token (TPOT) p95.
   now is of a request admitted that long ago); the queue always may (it is a gauge). Each fall
   remembers where the engines had too many: what ran then (not a limit far above it; a cheap
   queue's trim leaves it).
-* **Grow carefully.** Only while every fresh signal has headroom (no engine queue beyond the
-  target, latencies below 90 % of their targets) *and* the limit is what holds traffic back
-  (in flight ≥ 90 % of the limit, or ≥ 75 % while requests wait in extproc's queues for want of a
-  slot): a limit far above what runs is not grown further (it would only let a burst flood the
-  engines). Until the engines first queue it doubles (a slow start, as TCP's: from ``min`` to
-  hundreds in seconds), on every fresh reading while requests are held back rather than once per
-  interval; a few requests waiting while what the engines run still rises (a burst's prefills) do
-  not stop it, a few that stay are trimmed without ending it, and a latency percentile over target
-  only pauses it for the percentile's window (it is mostly the burst of held requests the last
-  doubling let in). A queue the engines cannot clear (four times the target) ends it, and where
-  they had too many is then what they ran, not the doubling's overshoot. After that, as TCP CUBIC:
-  quickly (+5 %, doubling per growth up to +25 %) back up to 95 % of where the last fall began,
-  then +1 % (at least one slot) per interval through ±5 % of it, and past that, where nothing said
-  "too many" yet, quickly again. A limit that nothing presses against never drifts up; the
-  saw-tooth of a plain additive increase is damped where it used to break.
+* **Grow carefully.** Only while every fresh signal has headroom (no engine queue beyond the target,
+  latencies below 90 % of their targets) *and* the limit is what holds traffic back (in flight ≥
+  90 % of the limit, or ≥ 75 % while requests wait in extproc's queues for want of a slot, or within
+  one slot per lane of it: at a limit of a few slots per lane, every lane sized at least one, a lane
+  at its share holds work back long before 75 % are in flight): a limit far above what runs is not
+  grown further (it would only let a burst flood the engines). Until the engines first queue it
+  doubles (a slow start, as TCP's: from ``min`` to hundreds in seconds), on every fresh reading
+  while requests are held back rather than once per interval; a few requests waiting while what the
+  engines run still rises (a burst's prefills) do not stop it, a few that stay are trimmed without
+  ending it, and a latency percentile over target only pauses it for the percentile's window (it is
+  mostly the burst of held requests the last doubling let in). A queue the engines cannot clear
+  (four times the target) ends it, and where they had too many is then what they ran, not the
+  doubling's overshoot. After that, as TCP CUBIC: quickly (+5 %, doubling per growth up to +25 %)
+  back up to 95 % of where the last fall began, then +1 % (at least one slot) per interval through
+  ±5 % of it, and past that, where nothing said "too many" yet, quickly again. A limit that nothing
+  presses against never drifts up; the saw-tooth of a plain additive increase is damped where it
+  used to break.
 * **Stale or missing signals.** With no fresh signal the last limit holds for ``stale_hold``,
   then decays by 10 % per interval to ``min``; the state says so.
 * **Unreachable targets** (a TPOT of 1 ms): the limit stops at ``min`` and the state says the
@@ -132,8 +134,10 @@ def _ms(seconds: float) -> str:
 class AutoLimit:
     """The self-sizing limit of one policy's ``capacity.auto`` (pure: explicit ``now``)."""
 
-    def __init__(self, auto: AutoCapacity, signals: Signals, now: float = 0.0) -> None:
+    def __init__(self, auto: AutoCapacity, signals: Signals, now: float = 0.0, *, lanes: int = 1) -> None:
         self.auto = auto
+        #: The policy's lanes: each is sized at least one slot of the limit (see :func:`size`).
+        self.lanes = lanes
         self._signals = signals
         self._value = float(auto.first)
         self._last_tick: float | None = None
@@ -160,9 +164,9 @@ class AutoLimit:
     def limit(self) -> int:
         return int(self._value)
 
-    def reconfigure(self, auto: AutoCapacity, signals: Signals, now: float) -> Move | None:
+    def reconfigure(self, auto: AutoCapacity, signals: Signals, now: float, *, lanes: int = 1) -> Move | None:
         """A new policy: keep the limit learned so far, clamped into the new bounds."""
-        self.auto, self._signals = auto, signals
+        self.auto, self._signals, self.lanes = auto, signals, lanes
         self._look(signals)
         clamped = min(max(self._value, auto.min), auto.max)
         if int(clamped) != self.limit:
@@ -339,7 +343,11 @@ class AutoLimit:
             or value < goal * _HEADROOM
             for role in ("ttft_p95", "tpot_p95")
         )
-        pressed = inflight >= (_PRESSED_HELD if held else _PRESSED) * self._value
+        # Held back, and in flight within one slot per lane of the limit: at a few slots per lane (a
+        # start from min) the lanes' rounded shares, each at least one slot, leave a lane at its share
+        # with the slots that are left another lane's; 75 % is out of reach while work waits there.
+        pressed = inflight >= _PRESSED * self._value or (held and inflight >= min(
+            _PRESSED_HELD * self._value, self._value - self.lanes))
         if not headroom or not pressed or self._value >= auto.max:
             return None
         self._value = min(float(auto.max), self._grown())
@@ -438,7 +446,7 @@ class AutoLimit:
 
 
 def _fmt(role: str, value: float) -> str:
-    return f"{value:g}" if role == "waiting" else _ms(value)
+    return f"{value:g}" if role in ("waiting", "running") else _ms(value)
 
 
 def size(policy: Policy, limit: int) -> Policy:

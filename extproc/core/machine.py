@@ -102,7 +102,7 @@ class Machine:
         """The time of the last event (what the edge's view of the lanes is read at)."""
         self.base = policy
         auto = policy.capacity.auto
-        self.auto = AutoLimit(auto, policy.signals, now) if auto is not None else None
+        self.auto = None if auto is None else AutoLimit(auto, policy.signals, now, lanes=len(policy.lanes))
         self.fleet_managed = fleet_managed
         #: With a shared store, the limit moves only once the store has answered with the fleet's: a
         #: starting replica takes the fleet's limit first (a restart resumes where the fleet was).
@@ -135,9 +135,9 @@ class Machine:
         if auto is None:
             self.auto = None
         elif self.auto is None:
-            self.auto = AutoLimit(auto, policy.signals, now)
+            self.auto = AutoLimit(auto, policy.signals, now, lanes=len(policy.lanes))
         else:
-            self.auto.reconfigure(auto, policy.signals, now)
+            self.auto.reconfigure(auto, policy.signals, now, lanes=len(policy.lanes))
         out = self._scheduler.reconfigure(self._sized(), now)
         self.policy = self._scheduler.policy
         self._retry_budget.reconfigure(policy.retry_budget)

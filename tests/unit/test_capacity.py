@@ -594,6 +594,40 @@ def test_a_start_doubles_on_every_fresh_reading_while_requests_are_held_back() -
     assert a.limit == 64
 
 
+def test_at_a_few_slots_per_lane_a_lane_held_at_its_share_is_pressure_enough() -> None:
+    p = running_policy()
+    assert p.capacity.auto is not None
+    # Three lanes at min 4: their rounded shares (each at least one slot) hold requests back with
+    # only 1 of the 4 slots in flight (the small lanes full, the large one's arrivals still to come).
+    three = AutoLimit(p.capacity.auto, p.signals, lanes=3)
+    three.update(engines(0, 0), 0, False, 0)
+    assert three.update(engines(1, 1), 1, False, 1) is None  # nothing held back: no pressure
+    move = three.update(engines(2, 1), 1, True, 2)
+    assert move is not None
+    assert (move.previous, move.limit) == (4, 8)
+    # One lane: 75 % of the limit, as before (4 - 1 lane is 3 = 75 % of 4).
+    one = AutoLimit(p.capacity.auto, p.signals, lanes=1)
+    one.update(engines(0, 0), 0, False, 0)
+    assert one.update(engines(1, 2), 2, True, 1) is None
+    assert one.update(engines(2, 3), 3, True, 2) is not None
+    # Far from min the lanes make no difference: 75 % while held back.
+    roomy = AutoLimit(p.capacity.auto, p.signals, lanes=3)
+    roomy.update(engines(0, 0), 0, False, 0)
+    for t in range(1, 4):  # 4 -> 32
+        roomy.update(engines(t, roomy.limit), roomy.limit, True, t)
+    assert roomy.limit == 32
+    assert roomy.update(engines(4, 23), 23, True, 4) is None  # 23 < 24 = 75 % of 32
+    assert roomy.update(engines(5, 24), 24, True, 5) is not None
+    # The machine sizes it by the policy's lanes, and a reload that changes them follows.
+    machine = Machine(p)
+    assert machine.auto is not None
+    assert machine.auto.lanes == 2
+    three_lanes = Policy.model_validate({**p.model_dump(), "lanes": [
+        *p.model_dump()["lanes"], {"name": "spare", "max_inflight": 5, "max_queued": 10, "deadline": "60s"}]})
+    machine.reconfigure(three_lanes, 1)
+    assert machine.auto.lanes == 3
+
+
 def test_a_start_goes_on_through_a_few_waiting_between_engine_steps_and_ends_at_a_real_queue() -> None:
     a = auto_of(running_policy(start=16))
     assert a.update(engines(0, 16), 16, True, 0) is not None
