@@ -6,7 +6,7 @@ limit of a sweep (the same policy sized at N slots), on `--sim-seeds` seeded wor
 seeds SEED, SEED+1, ...; a figure moves from seed to seed). The best static N, the limit with the
 highest mean goodput over the seeds, is what an SRE would have had to find by hand; `ratio` is the
 median over the seeds of auto's goodput over that best static's (each seed's in `ratios`); goodputs
-are medians, `interactive_refused` sums the seeds. Profiles:
+are medians, `interactive_refused` and `interactive_late` sum the seeds. Profiles:
 llama-70b-2xh100 (x0.1), llama-8b-h100 (x1), llama-8b-l4 (x1: one small GPU, little KV cache),
 the 70B with a long-prompt variant of the workload (mean prompt 3,000 tokens), and two engines
 whose dynamics differ from the vLLM-like model the limit was tuned on (extproc/sim/dynamics.py),
@@ -18,7 +18,9 @@ bounds the batch: prefill first and whole, stalling every decode; preemption and
 The engines' capacity is simulate.capacity_rps: a formula for the vLLM-like ones, the engine
 model saturated with the workload's sample for the others. `interactive_refused` (every profile):
 the interactive lane's requests whose first attempt was refused (429 or 503) over the whole run,
-for `auto` and `best_static`.
+for `auto` and `best_static`; `interactive_late`: those whose first attempt was let through but
+whose first token came after the interactive TTFT SLO (1 s), or never. A limit fails that lane
+either way: one that refuses none of it may serve it late instead.
 
 `cold_start[LOAD][WHO]` (each simulated profile): from a cold start (one replica without a store, an
 idle engine) at 0.4x, 1x and 2x the engine's capacity, over the first 30 s, the interactive lane's
@@ -40,7 +42,7 @@ llama-13b-a100-v0 at x0.5 (45 s each), `--runs` seeded runs each (default 3: see
 ...; the same requests for auto and static within a seed). A live figure moves from run to run:
 `ratio` is the median of the runs' ratios, each in `ratios` (and in `runs`, with each run's
 goodputs and refusals); `best_static_goodput`/`auto_goodput` are medians, `interactive_refused`
-sums the runs. The whole bench should take about an hour, the live runs most of it.
+and `interactive_late` sum the runs. The whole bench should take about an hour, the live runs most of it.
 
     .venv/bin/python bench/adaptive.py [--quick] [--no-live] [--runs N] [--sim-seeds N] [--profiles NAME,...]
 
@@ -134,8 +136,8 @@ def sim_profile(policy: Policy, name: str, time_scale: float, variant: str, leas
     the seeds' ratios (each in ``ratios``); goodputs are medians, refusals sum the seeds."""
     duration = sim_duration(name, time_scale, variant, least, requests)
     profile = get_profile(name)
-    sweeps: list[dict[int, tuple[float, int]]] = []
-    autos: list[tuple[float, int]] = []
+    sweeps: list[dict[int, tuple[float, int, int]]] = []
+    autos: list[tuple[float, int, int]] = []
     limits: list[int] = []
     rate = 0.0
     count = 0
@@ -148,15 +150,17 @@ def sim_profile(policy: Policy, name: str, time_scale: float, variant: str, leas
             if n > 2 * profile.max_running:
                 break
             results = sim.run(arrivals, static(policy, n)).results
-            sweep[n] = (goodput(results, spec, duration), interactive_refused(results))
+            sweep[n] = (goodput(results, spec, duration), interactive_refused(results),
+                        interactive_late(results, spec))
         sweeps.append(sweep)
         auto_run = sim.run(arrivals, policy)
-        autos.append((goodput(auto_run.results, spec, duration), interactive_refused(auto_run.results)))
+        autos.append((goodput(auto_run.results, spec, duration), interactive_refused(auto_run.results),
+                      interactive_late(auto_run.results, spec)))
         limits.extend(limit for _, limit, _, _ in auto_run.timeline)
     mean = {n: statistics.fmean(sweep[n][0] for sweep in sweeps) for n in sweeps[0]}
     best = max(mean, key=lambda n: mean[n])
     ratios = [round(auto / sweep[best][0], 3) if sweep[best][0] else None
-              for (auto, _), sweep in zip(autos, sweeps, strict=True)]
+              for (auto, _, _), sweep in zip(autos, sweeps, strict=True)]
     known = [r for r in ratios if r is not None]
     cold = cold_start(policy, name, time_scale, variant, best, seeds)
     return {"name": profile_name(name, variant), "mode": "sim",
@@ -164,10 +168,12 @@ def sim_profile(policy: Policy, name: str, time_scale: float, variant: str, leas
             "time_scale": time_scale, "rate": round(rate, 2), "requests": count,
             "duration_s": round(duration, 1), "seeds": list(range(SEED, SEED + seeds)),
             "best_static": best, "best_static_goodput": round(median([s[best][0] for s in sweeps]) or 0, 3),
-            "auto_goodput": round(median([auto for auto, _ in autos]) or 0, 3),
+            "auto_goodput": round(median([auto for auto, _, _ in autos]) or 0, 3),
             "ratio": median(known) if known else None, "ratios": ratios,
-            "interactive_refused": {"auto": sum(refused for _, refused in autos),
+            "interactive_refused": {"auto": sum(refused for _, refused, _ in autos),
                                     "best_static": sum(s[best][1] for s in sweeps)},
+            "interactive_late": {"auto": sum(late for _, _, late in autos),
+                                 "best_static": sum(s[best][2] for s in sweeps)},
             "sweep": {str(n): round(g, 3) for n, g in mean.items()},
             "auto_limit_median": sorted(limits)[len(limits) // 2] if limits else None}
 
@@ -214,7 +220,20 @@ def cold_window(results: list[Result], since: float = 0.0) -> dict[str, Any]:
 def interactive_refused(results: list[Result]) -> int:
     """Interactive requests whose first attempt was refused (answered 429 or 503: it was retried, or
     that was its answer)."""
-    return sum(1 for r in results if r.cls == "interactive" and (r.attempts > 1 or r.status in (429, 503)))
+    return sum(1 for r in results if r.cls == "interactive" and _refused(r))
+
+
+def interactive_late(results: list[Result], spec: WorkloadSpec) -> int:
+    """Interactive requests whose first attempt was let through but whose first token came after the
+    interactive class's TTFT SLO, or never: the other way a limit fails that lane (a limit that
+    refuses none may serve them late instead)."""
+    slo = slos(spec)["interactive"].ttft
+    return sum(1 for r in results if r.cls == "interactive" and not _refused(r)
+               and (r.ttft is None or r.ttft > slo))
+
+
+def _refused(r: Result) -> bool:
+    return r.attempts > 1 or r.status in (429, 503)
 
 
 def settle(timeline: list[tuple[float, int]], start: float, end: float) -> float | None:
@@ -385,6 +404,8 @@ def live(policy: Policy, sims: list[dict[str, Any]], scale: float, drain: float,
                     "ratio": median(ratios) if ratios else None, "ratios": ratios,
                     "interactive_refused": {who: sum(r["interactive_refused"][who] for r in each)
                                             for who in ("auto", "best_static")},
+                    "interactive_late": {who: sum(r["interactive_late"][who] for r in each)
+                                         for who in ("auto", "best_static")},
                     "auto_limit_last": each[-1]["auto_limit_last"], "runs": each})
     return out
 
@@ -404,6 +425,8 @@ def live_seed(name: str, time_scale: float, seconds: float, static_file: Path, b
             "auto_goodput": round(g_auto, 3), "ratio": round(g_auto / g_static, 3) if g_static else None,
             "interactive_refused": {"auto": interactive_refused(auto_results),
                                     "best_static": interactive_refused(static_results)},
+            "interactive_late": {"auto": interactive_late(auto_results, spec),
+                                 "best_static": interactive_late(static_results, spec)},
             "auto_limit_last": limits[-1][1] if limits else None}
 
 
@@ -557,11 +580,12 @@ def main() -> int:
 
 def report(doc: dict[str, Any]) -> None:
     for p in doc["profiles"]:
-        refused = p["interactive_refused"]
+        refused, late = p["interactive_refused"], p["interactive_late"]
         print(f"{p['mode']:4} {p['name']:32} best static {p['best_static']:4} "
               f"goodput {p['best_static_goodput']:7.2f}  auto {p['auto_goodput']:7.2f}  ratio {p['ratio']}"
               + (f" {p['ratios']}" if "ratios" in p else "")
-              + f"  interactive refused: auto {refused['auto']} best static {refused['best_static']}")
+              + f"  interactive refused: auto {refused['auto']} best static {refused['best_static']}"
+              + f", late: auto {late['auto']} best static {late['best_static']}")
         for load, who in p.get("cold_start", {}).items():
             print(f"     cold start {load:>3}x: " + "  ".join(
                 f"{name} refused {w['refused']:4} ttft p99 {w['ttft_p99_s']}" for name, w in who.items()))
