@@ -605,6 +605,7 @@ def test_at_a_few_slots_per_lane_a_lane_held_at_its_share_is_pressure_enough() -
     move = three.update(engines(2, 1), 1, True, 2)
     assert move is not None
     assert (move.previous, move.limit) == (4, 8)
+    assert move.why.startswith("headroom: running 1, ")  # a count, not a duration
     # One lane: 75 % of the limit, as before (4 - 1 lane is 3 = 75 % of 4).
     one = AutoLimit(p.capacity.auto, p.signals, lanes=1)
     one.update(engines(0, 0), 0, False, 0)
