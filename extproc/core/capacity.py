@@ -164,9 +164,13 @@ class AutoLimit:
     def limit(self) -> int:
         return int(self._value)
 
-    def reconfigure(self, auto: AutoCapacity, signals: Signals, now: float, *, lanes: int = 1) -> Move | None:
-        """A new policy: keep the limit learned so far, clamped into the new bounds."""
-        self.auto, self._signals, self.lanes = auto, signals, lanes
+    def reconfigure(self, auto: AutoCapacity, signals: Signals, now: float, *, lanes: int | None = None
+                    ) -> Move | None:
+        """A new policy: keep the limit learned so far, clamped into the new bounds (``lanes``: the new
+        policy's count, if it changed)."""
+        self.auto, self._signals = auto, signals
+        if lanes is not None:
+            self.lanes = lanes
         self._look(signals)
         clamped = min(max(self._value, auto.min), auto.max)
         if int(clamped) != self.limit:
