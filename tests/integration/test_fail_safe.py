@@ -84,11 +84,13 @@ def wait_until(check: Callable[[], bool], what: str, timeout: float = 10.0) -> N
 
 
 def restart(env: Env, tmp_path: Path) -> None:
-    """Start extproc again on the same ports (Envoy reconnects on its own)."""
-    http = int(env.metrics_url.rsplit(":", 1)[1].split("/")[0])
+    """Start extproc again on the same gRPC port (Envoy's cluster names it; it reconnects on its own),
+    its HTTP and admin listeners on fresh ports: a port the killed one freed is anyone's meanwhile (a
+    CI run saw another connection take the admin port before the restart could bind it)."""
+    http, admin = free_port(), free_port()
     env.stack.processes[:] = [p for p in env.stack.processes if p.name != "extproc"]
-    env.stack.extproc(env.policy, env.extproc_grpc, http, "--log-format", "json",
-                      admin=int(env.admin_url.rsplit(":", 1)[1]))
+    env.stack.extproc(env.policy, env.extproc_grpc, http, "--log-format", "json", admin=admin)
+    env.metrics_url, env.admin_url = f"http://127.0.0.1:{http}/metrics", f"http://127.0.0.1:{admin}"
 
 
 def test_sigkill_cuts_no_running_generation_and_new_requests_get_a_useful_503(
