@@ -83,7 +83,7 @@ def wait_until(check: Callable[[], bool], what: str, timeout: float = 10.0) -> N
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def restart(env: Env, tmp_path: Path) -> None:
+def restart(env: Env) -> None:
     """Start extproc again on the same gRPC port (Envoy's cluster names it; it reconnects on its own),
     its HTTP and admin listeners on fresh ports: a port the killed one freed is anyone's meanwhile (a
     CI run saw another connection take the admin port before the restart could bind it)."""
@@ -94,7 +94,7 @@ def restart(env: Env, tmp_path: Path) -> None:
 
 
 def test_sigkill_cuts_no_running_generation_and_new_requests_get_a_useful_503(
-        make_env: Callable[..., Env], tmp_path: Path) -> None:
+        make_env: Callable[..., Env]) -> None:
     env = make_env(POLICY)
     with ThreadPoolExecutor(8) as pool:
         running = [pool.submit(stream, env, 30, 100) for _ in range(2)]   # ~3 s each, both slots
@@ -121,14 +121,14 @@ def test_sigkill_cuts_no_running_generation_and_new_requests_get_a_useful_503(
             assert status == 200
             assert body.count(b"data: ") == 31
             assert body.endswith(b"data: [DONE]\n\n")
-        restart(env, tmp_path)
+        restart(env)
         # Picks up at once: nothing leaked, nothing counted twice.
         assert httpx.post(env.url + "/v1/x", json={}, timeout=10).status_code == 200
         assert env.metric("inference_inflight_requests", lane="a") == 0
 
 
 def test_without_a_store_a_restarted_extproc_does_not_count_generations_from_before(
-        make_env: Callable[..., Env], tmp_path: Path) -> None:
+        make_env: Callable[..., Env]) -> None:
     """The documented over-admission window: a fresh extproc knows nothing of what its
     predecessor admitted, so until those generations end the backend may see up to twice the
     limit. Never a cut generation; the window closes when the old ones end."""
@@ -138,7 +138,7 @@ def test_without_a_store_a_restarted_extproc_does_not_count_generations_from_bef
         old = [pool.submit(stream, env, 40, 100) for _ in range(2)]  # ~4 s
         wait_until(lambda: env.metric("inference_inflight_requests", lane="a") == 2, "two generations")
         os.kill(extproc_process(env), signal.SIGKILL)
-        restart(env, tmp_path)
+        restart(env)
         new: list[Future[tuple[int, bytes]]] = [pool.submit(stream, env, 10, 100) for _ in range(3)]
         results = [f.result() for f in old + new]
     assert [status for status, _ in results] == [200] * 5
