@@ -25,8 +25,8 @@ token (TPOT) p95.
   remembers where the engines had too many: what ran then (not a limit far above it; a cheap
   queue's trim leaves it).
 * **Grow carefully.** Only while every fresh signal has headroom (no engine queue beyond the target,
-  latencies below 90 % of their targets) *and* the limit is what holds traffic back (in flight ≥
-  90 % of the limit, or ≥ 75 % while requests wait in extproc's queues for want of a slot, or within
+  latencies below 90 % of their targets) *and* the limit is what holds traffic back (in flight ≥ 90
+  % of the limit, or ≥ 75 % while requests wait in extproc's queues for want of a slot, or within
   one slot per lane of it: at a limit of a few slots per lane, every lane sized at least one, a lane
   at its share holds work back long before 75 % are in flight): a limit far above what runs is not
   grown further (it would only let a burst flood the engines). Until the engines first queue it
@@ -34,13 +34,17 @@ token (TPOT) p95.
   while requests are held back rather than once per interval; a few requests waiting while what the
   engines run still rises (a burst's prefills) do not stop it, a few that stay are trimmed without
   ending it, and a latency percentile over target only pauses it for the percentile's window (it is
-  mostly the burst of held requests the last doubling let in). A queue the engines cannot clear
-  (four times the target) ends it, and where they had too many is then what they ran, not the
-  doubling's overshoot. After that, as TCP CUBIC: quickly (+5 %, doubling per growth up to +25 %)
-  back up to 95 % of where the last fall began, then +1 % (at least one slot) per interval through
-  ±5 % of it, and past that, where nothing said "too many" yet, quickly again. A limit that nothing
-  presses against never drifts up; the saw-tooth of a plain additive increase is damped where it
-  used to break.
+  mostly the burst of held requests the last doubling let in). With the engines' KV-cache usage (the
+  ``kv_cache`` role) a doubling stops where the cache would be 90 % full at what the running
+  requests use of it now: an engine bound by its cache shows no queue and a low TTFT right up to the
+  moment its sequences outgrow it, so a doubling past that point (128 → 256 live on the 70B profile,
+  whose best static limit is 96) showed only later, as a queue the admitted excess waited in. A
+  queue the engines cannot clear (four times the target) ends it, and where they had too many is
+  then what they ran, not the doubling's overshoot. After that, as TCP CUBIC: quickly (+5 %,
+  doubling per growth up to +25 %) back up to 95 % of where the last fall began, then +1 % (at least
+  one slot) per interval through ±5 % of it, and past that, where nothing said "too many" yet,
+  quickly again. A limit that nothing presses against never drifts up; the saw-tooth of a plain
+  additive increase is damped where it used to break.
 * **Stale or missing signals.** With no fresh signal the last limit holds for ``stale_hold``,
   then decays by 10 % per interval to ``min``; the state says so.
 * **Unreachable targets** (a TPOT of 1 ms): the limit stops at ``min`` and the state says the
@@ -84,6 +88,12 @@ _CLEAR_QUEUE = 4
 #: A queue that costs no first token yet (TTFT p95 under _QUEUE_TTFT of its target) keeps this share
 #: over what the engines run: the engines' own queue is what feeds their next step.
 _CHEAP_BUFFER = 0.25
+#: The start's doubling stops where the engines' KV cache would be this full at the share of it each
+#: running request uses now (the kv_cache role): a cache-bound engine shows no queue until its
+#: sequences outgrow the cache, a reading after the doubling that overfilled it.
+_KV_FULL = 0.9
+#: A KV-cache usage below this says nothing of what a request uses (an idle engine's few sequences).
+_KV_MEASURABLE = 0.05
 #: Decay per interval once stale signals outlast stale_hold.
 _DECAY = 0.9
 #: A few requests waiting at the engines while TTFT p95 is under this share of its target cost no
@@ -92,8 +102,8 @@ _DECAY = 0.9
 _QUEUE_TTFT = 0.5
 
 Reason = Literal["start", "running", "engine_queue", "ttft", "tpot", "headroom", "stale", "reload"]
-Role = Literal["waiting", "running", "ttft_p95", "tpot_p95"]
-ROLES: tuple[Role, ...] = ("waiting", "running", "ttft_p95", "tpot_p95")
+Role = Literal["waiting", "running", "ttft_p95", "tpot_p95", "kv_cache"]
+ROLES: tuple[Role, ...] = ("waiting", "running", "ttft_p95", "tpot_p95", "kv_cache")
 
 
 @dataclass(frozen=True, slots=True)
@@ -354,9 +364,24 @@ class AutoLimit:
             _PRESSED_HELD * self._value, self._value - self.lanes))
         if not headroom or not pressed or self._value >= auto.max:
             return None
-        self._value = min(float(auto.max), self._grown())
+        room = self._kv_room(fresh) if self._slow_start else None
+        doubled = self._grown()
+        self._value = min(float(auto.max), doubled if room is None else max(
+            min(doubled, room), self._value * (1 + _GROW_FIRST), self._value + 1))
         seen = ", ".join(f"{role} {_fmt(role, fresh[role])}" for role in sorted(fresh))
-        return self._moved(before, now, "headroom", f"headroom: {seen}")
+        why = f"headroom: {seen}"
+        if room is not None and room < doubled:
+            why += f"; not doubled: at that usage the KV cache holds about {room / _KV_FULL:.0f}"
+        return self._moved(before, now, "headroom", why)
+
+    @staticmethod
+    def _kv_room(fresh: Mapping[Role, float]) -> float | None:
+        """What the engines could run with their KV cache 90 % full, at the share of it each running
+        request uses now (None: unknown, or too little in use to tell)."""
+        kv, running = fresh.get("kv_cache"), fresh.get("running")
+        if kv is None or running is None or running < 1 or kv < _KV_MEASURABLE:
+            return None
+        return running / kv * _KV_FULL
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -450,6 +475,8 @@ class AutoLimit:
 
 
 def _fmt(role: str, value: float) -> str:
+    if role == "kv_cache":
+        return f"{value:.0%}"
     return f"{value:g}" if role in ("waiting", "running") else _ms(value)
 
 

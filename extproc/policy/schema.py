@@ -223,6 +223,10 @@ class AutoSignals(_Strict):
     what runs, or exactly that while the engines queue) rather than from ``start``."""
     ttft_p95: Annotated[str, Field(pattern=_NAME)] | None = None
     tpot_p95: Annotated[str, Field(pattern=_NAME)] | None = None
+    kv_cache: Annotated[str, Field(pattern=_NAME)] | None = None
+    """The engines' KV-cache usage, 0 to 1 (e.g. preset kv_cache_usage; needs ``running``): a starting
+    limit's doubling stops where the cache would be 90 % full at what each running request uses of it
+    now, and goes on by smaller steps from there."""
 
 
 class AutoCapacity(_Strict):
@@ -421,6 +425,9 @@ class Policy(_Strict):
         if all(name is None for name in roles.values()):
             out.append("capacity.auto.signals: name at least one of waiting, ttft_p95, tpot_p95 "
                        "(signals of signals.read): without the engine's signals the limit cannot move")
+        if roles["kv_cache"] is not None and roles["running"] is None:
+            out.append("capacity.auto.signals.kv_cache: needs capacity.auto.signals.running, the requests "
+                       "that use the cache it reads")
         for role in ("ttft_p95", "tpot_p95"):
             if getattr(auto.target, role) is not None and roles[role] is None:
                 out.append(f"capacity.auto.target.{role}: needs capacity.auto.signals.{role}, the "

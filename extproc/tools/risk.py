@@ -63,7 +63,8 @@ CHECKED = frozenset({
     "capacity.max_inflight", "capacity.auto.min", "capacity.auto.max", "capacity.auto.start",
     "capacity.auto.target.ttft_p95", "capacity.auto.target.tpot_p95", "capacity.auto.target.queue",
     "capacity.auto.signals.waiting", "capacity.auto.signals.running", "capacity.auto.signals.ttft_p95",
-    "capacity.auto.signals.tpot_p95", "capacity.auto.cooldown", "capacity.auto.stale_hold",
+    "capacity.auto.signals.tpot_p95", "capacity.auto.signals.kv_cache", "capacity.auto.cooldown",
+    "capacity.auto.stale_hold",
     "capacity.max_queued", "capacity.max_hold",
     "retry_after.share",
     "signals.sources.prometheus.url", "signals.sources.prometheus.timeout",
@@ -310,11 +311,12 @@ def _auto(old: AutoCapacity, new: AutoCapacity) -> Iterator[Risk]:
     if new.target.queue < old.target.queue:
         yield Risk(f"{at}.target.queue", f"{at}.target.queue {old.target.queue} → {new.target.queue}: the "
                    "limit falls once the engines queue more than that")
-    for key in ("waiting", "running", "ttft_p95", "tpot_p95"):
+    for key in ("waiting", "running", "ttft_p95", "tpot_p95", "kv_cache"):
         was, now = getattr(old.signals, key), getattr(new.signals, key)
         if now is not None and now != was:
-            what = "a starting limit begins from what it reads" if key == "running" else \
-                "the limit now falls on what it reads"
+            what = {"running": "a starting limit begins from what it reads",
+                    "kv_cache": "a starting limit's doubling stops where it says the cache fills"}.get(
+                key, "the limit now falls on what it reads")
             yield Risk(f"{at}.signals.{key}", f"{at}.signals.{key} {_v(was)} → {now}: {what}")
     if new.cooldown < old.cooldown:
         yield Risk(f"{at}.cooldown", f"{at}.cooldown {_d(old.cooldown)} → {_d(new.cooldown)}: "

@@ -432,6 +432,8 @@ signals:
     ("{max_inflight: auto, auto: {max: 9, signals: {waiting: nope}}}",
      "capacity.auto.signals.waiting: unknown signal 'nope', expected one of ['w']"),
     ("{max_inflight: auto, auto: {max: 9}}", "name at least one of waiting, ttft_p95, tpot_p95"),
+    ("{max_inflight: auto, auto: {max: 9, signals: {waiting: w, kv_cache: w}}}",
+     "capacity.auto.signals.kv_cache: needs capacity.auto.signals.running"),
     ("{max_inflight: auto, auto: {max: 9, signals: {waiting: w}, target: {tpot_p95: 50ms}}}",
      "capacity.auto.target.tpot_p95: needs capacity.auto.signals.tpot_p95"),
     ("{max_inflight: auto, auto: {min: 10, max: 9, signals: {waiting: w}}}",
@@ -671,6 +673,64 @@ def test_a_latency_cut_during_the_start_pauses_it_for_the_window_then_it_doubles
     # Once it reads clean the start goes on doubling (not a few per cent per interval).
     assert a.update(engines(3, 64, ttft=0.2), 64, True, 3) is not None
     assert a.limit == 128
+
+
+def kv_policy(**auto: Any) -> Policy:
+    """``running_policy`` with a ``kv_cache`` role (the engines' KV-cache usage, 0 to 1)."""
+    p = running_policy(**auto)
+    signals = p.signals.model_dump()
+    signals["read"]["kv"] = {"source": "engines", "preset": "kv_cache_usage", "stale_after": "5s"}
+    config = p.capacity.auto.model_dump() if p.capacity.auto is not None else {}
+    config["signals"]["kv_cache"] = "kv"
+    return Policy.model_validate({**p.model_dump(), "signals": signals,
+                                  "capacity": {"max_inflight": "auto", "auto": config}})
+
+
+def test_a_start_doubles_no_further_than_the_kv_cache_holds_and_goes_on() -> None:
+    a = auto_of(kv_policy(start=128))
+    a.update(engines(0, 0), 0, False, 0)
+    assert a.limit == 128
+
+    def kv(now: float, running: float, usage: float) -> dict[str, Reading]:
+        return {**engines(now, running), "kv": Reading(usage, now)}
+
+    # 95 run in 75 % of the cache: it holds about 127 at that usage, so a doubling to 256 would overfill
+    # it (90 % of it: 114, under the limit already). Not doubled: the ordinary first step, +5 %.
+    move = a.update(kv(1, 95, 0.75), 120, True, 1)
+    assert move is not None
+    assert move.reason == "headroom"
+    assert a.limit == 134
+    assert "kv_cache 75%" in move.why
+    assert "not doubled: at that usage the KV cache holds about 127" in move.why
+    # The start goes on (a step, not its end): the next reading, at 40 %, doubles up to 90 % of what the
+    # cache holds (126 / 0.4 × 0.9 = 283, under 268 × 2)...
+    assert a.update(kv(2, 126, 0.4), 130, True, 2) is not None
+    assert a.limit == 268
+    # ... a cache with room for twice as many doubles in full ...
+    assert a.update(kv(3, 250, 0.2), 260, True, 3) is not None
+    assert a.limit == 512  # (max)
+    # ... and so does a start without a usage to go by: missing, or too little in use to tell.
+    for reading in ({}, {"kv": Reading(0.01, 1)}):
+        b = auto_of(kv_policy(start=16))
+        b.update(engines(0, 0), 0, False, 0)
+        assert b.update({**engines(1, 15), **reading}, 15, True, 1) is not None
+        assert b.limit == 32
+
+
+def test_out_of_the_start_the_kv_cache_leaves_growth_alone() -> None:
+    a = auto_of(kv_policy(start=64))
+    a.update(engines(0, 0), 0, False, 0)
+    assert a.update(engines(1, 60), 64, True, 1) is not None
+    assert a.limit == 128
+    # A queue the engines cannot clear ends the start: down to what they ran (98).
+    assert a.update(engines(2, 98, waiting=30), 128, True, 2) is not None
+    assert a.limit == 98
+    # Out of the start growth creeps through where they had too many (+1 %, at least a slot), however
+    # full or empty the cache.
+    assert a.update({**engines(4, 98), "kv": Reading(0.99, 4)}, 98, True, 4) is not None
+    assert a.limit == 99
+    assert a.update({**engines(6, 99), "kv": Reading(0.1, 6)}, 99, True, 6) is not None
+    assert a.limit == 100
 
 
 async def test_with_a_store_the_limit_waits_for_the_fleet_s_answer_before_it_moves() -> None:

@@ -308,7 +308,8 @@ def test_auto_capacity_runs_in_the_simulator_and_follows_a_capacity_step() -> No
     sim = Simulator(LLAMA_70B_2XH100, time_scale=0.1, client=spec.client,
                     capacity_schedule=((30.0, 0.5), (60.0, 1.0)))
     run = sim.run(requests, policy)
-    assert set(run.signals) == {"engine_waiting", "engine_running", "engine_ttft_p95", "engine_tpot_p95"}
+    assert set(run.signals) == {"engine_waiting", "engine_running", "engine_ttft_p95", "engine_tpot_p95",
+                                "engine_kv_cache"}
     limits = {t: limit for t, limit, _, _ in run.timeline}
     assert all(policy.capacity.auto.min <= limit <= policy.capacity.auto.max for limit in limits.values())
     full = max(limit for t, limit in limits.items() if 20 <= t < 30)
