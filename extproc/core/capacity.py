@@ -25,8 +25,8 @@ token (TPOT) p95.
   remembers where the engines had too many: what ran then (not a limit far above it; a cheap
   queue's trim leaves it).
 * **Grow carefully.** Only while every fresh signal has headroom (no engine queue beyond the target,
-  latencies below 90 % of their targets) *and* the limit is what holds traffic back (in flight ≥ 90
-  % of the limit, or ≥ 75 % while requests wait in extproc's queues for want of a slot, or within
+  latencies below 90 % of their targets) *and* the limit is what holds traffic back (in flight ≥
+  90 % of the limit, or ≥ 75 % while requests wait in extproc's queues for want of a slot, or within
   one slot per lane of it: at a limit of a few slots per lane, every lane sized at least one, a lane
   at its share holds work back long before 75 % are in flight): a limit far above what runs is not
   grown further (it would only let a burst flood the engines). Until the engines first queue it
@@ -35,16 +35,16 @@ token (TPOT) p95.
   engines run still rises (a burst's prefills) do not stop it, a few that stay are trimmed without
   ending it, and a latency percentile over target only pauses it for the percentile's window (it is
   mostly the burst of held requests the last doubling let in). With the engines' KV-cache usage (the
-  ``kv_cache`` role) a doubling stops where the cache would be 90 % full at what the running
-  requests use of it now: an engine bound by its cache shows no queue and a low TTFT right up to the
-  moment its sequences outgrow it, so a doubling past that point (128 → 256 live on the 70B profile,
-  whose best static limit is 96) showed only later, as a queue the admitted excess waited in. A
-  queue the engines cannot clear (four times the target) ends it, and where they had too many is
-  then what they ran, not the doubling's overshoot. After that, as TCP CUBIC: quickly (+5 %,
-  doubling per growth up to +25 %) back up to 95 % of where the last fall began, then +1 % (at least
-  one slot) per interval through ±5 % of it, and past that, where nothing said "too many" yet,
-  quickly again. A limit that nothing presses against never drifts up; the saw-tooth of a plain
-  additive increase is damped where it used to break.
+  ``kv_cache`` role) a growth goes no further than where the cache would be 90 % full at what the
+  running requests use of it now (+5 % once there): an engine bound by its cache shows no queue and
+  a low TTFT right up to the moment its sequences outgrow it, so a doubling past that point (128 →
+  256 live on the 70B profile, whose best static limit is 96) showed only later, as a queue the
+  admitted excess waited in. A queue the engines cannot clear (four times the target) ends it, and
+  where they had too many is then what they ran, not the doubling's overshoot. After that, as TCP
+  CUBIC: quickly (+5 %, doubling per growth up to +25 %) back up to 95 % of where the last fall
+  began, then +1 % (at least one slot) per interval through ±5 % of it, and past that, where nothing
+  said "too many" yet, quickly again. A limit that nothing presses against never drifts up; the
+  saw-tooth of a plain additive increase is damped where it used to break.
 * **Stale or missing signals.** With no fresh signal the last limit holds for ``stale_hold``,
   then decays by 10 % per interval to ``min``; the state says so.
 * **Unreachable targets** (a TPOT of 1 ms): the limit stops at ``min`` and the state says the
@@ -370,7 +370,7 @@ class AutoLimit:
             min(doubled, room), self._value * (1 + _GROW_FIRST), self._value + 1))
         seen = ", ".join(f"{role} {_fmt(role, fresh[role])}" for role in sorted(fresh))
         why = f"headroom: {seen}"
-        if room is not None and room < doubled:
+        if room is not None and room < min(doubled, auto.max):
             why += f"; not doubled: at that usage the KV cache holds about {room / _KV_FULL:.0f}"
         return self._moved(before, now, "headroom", why)
 
@@ -379,7 +379,8 @@ class AutoLimit:
         """What the engines could run with their KV cache 90 % full, at the share of it each running
         request uses now (None: unknown, or too little in use to tell)."""
         kv, running = fresh.get("kv_cache"), fresh.get("running")
-        if kv is None or running is None or running < 1 or kv < _KV_MEASURABLE:
+        if kv is None or running is None or not (math.isfinite(kv) and math.isfinite(running)) \
+                or running < 1 or kv < _KV_MEASURABLE:
             return None
         return running / kv * _KV_FULL
 

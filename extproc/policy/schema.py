@@ -225,8 +225,8 @@ class AutoSignals(_Strict):
     tpot_p95: Annotated[str, Field(pattern=_NAME)] | None = None
     kv_cache: Annotated[str, Field(pattern=_NAME)] | None = None
     """The engines' KV-cache usage, 0 to 1 (e.g. preset kv_cache_usage; needs ``running``): a starting
-    limit's doubling stops where the cache would be 90 % full at what each running request uses of it
-    now, and goes on by smaller steps from there."""
+    limit grows no further than where the cache would be 90 % full at what each running request uses
+    of it now (+5 % per reading once there) rather than doubling."""
 
 
 class AutoCapacity(_Strict):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Any
 
 import pytest
@@ -702,19 +703,38 @@ def test_a_start_doubles_no_further_than_the_kv_cache_holds_and_goes_on() -> Non
     assert a.limit == 134
     assert "kv_cache 75%" in move.why
     assert "not doubled: at that usage the KV cache holds about 127" in move.why
-    # The start goes on (a step, not its end): the next reading, at 40 %, doubles up to 90 % of what the
-    # cache holds (126 / 0.4 × 0.9 = 283, under 268 × 2)...
-    assert a.update(kv(2, 126, 0.4), 130, True, 2) is not None
-    assert a.limit == 268
-    # ... a cache with room for twice as many doubles in full ...
-    assert a.update(kv(3, 250, 0.2), 260, True, 3) is not None
-    assert a.limit == 512  # (max)
-    # ... and so does a start without a usage to go by: missing, or too little in use to tell.
-    for reading in ({}, {"kv": Reading(0.01, 1)}):
+    # The start goes on (a step, not its end): the next reading, at 50 %, grows to 90 % of what the cache
+    # holds at that usage (126 / 0.5 × 0.9 = 226, short of a doubling to 268)...
+    move = a.update(kv(2, 126, 0.5), 130, True, 2)
+    assert move is not None
+    assert a.limit == 226
+    assert "not doubled: at that usage the KV cache holds about 252" in move.why
+    # ... a cache with room for twice as many doubles in full, up to max (and the why blames max, not the
+    # cache: 250 / 0.4 × 0.9 = 562 is past the doubling to 453, and 516 after it is past 512) ...
+    move = a.update(kv(3, 250, 0.4), 220, True, 3)
+    assert move is not None
+    assert a.limit == 453
+    move = a.update(kv(4, 430, 0.75), 440, True, 4)
+    assert move is not None
+    assert a.limit == 512
+    assert "not doubled" not in move.why  # (the cache allows 516: max stops it first)
+    # ... and so does a start without a usage to go by: missing, too little in use to tell, or garbage
+    # (negative, not a number, infinite).
+    for usage in (None, 0.01, -0.5, math.nan, math.inf):
         b = auto_of(kv_policy(start=16))
         b.update(engines(0, 0), 0, False, 0)
+        reading = {} if usage is None else {"kv": Reading(usage, 1)}
         assert b.update({**engines(1, 15), **reading}, 15, True, 1) is not None
         assert b.limit == 32
+    # A usage past full (a percentage where a fraction belongs) only slows the start to the ordinary
+    # step: it never stops it or moves the limit down.
+    for usage in (75.0, 1.5):
+        c = auto_of(kv_policy(start=16))
+        c.update(engines(0, 0), 0, False, 0)
+        assert c.update({**engines(1, 15), "kv": Reading(usage, 1)}, 15, True, 1) is not None
+        assert c.limit == 17
+        assert c.update({**engines(2, 16), "kv": Reading(0.2, 2)}, 17, True, 2) is not None
+        assert c.limit == 34
 
 
 def test_out_of_the_start_the_kv_cache_leaves_growth_alone() -> None:
