@@ -88,9 +88,9 @@ _CLEAR_QUEUE = 4
 #: A queue that costs no first token yet (TTFT p95 under _QUEUE_TTFT of its target) keeps this share
 #: over what the engines run: the engines' own queue is what feeds their next step.
 _CHEAP_BUFFER = 0.25
-#: The start's doubling stops where the engines' KV cache would be this full at the share of it each
-#: running request uses now (the kv_cache role): a cache-bound engine shows no queue until its
-#: sequences outgrow the cache, a reading after the doubling that overfilled it.
+#: A start grows no further than where the engines' KV cache would be this full at the share of it
+#: each running request uses now (the kv_cache role; +5 % once there): a cache-bound engine shows no
+#: queue until its sequences outgrow the cache, a reading after the doubling that overfilled it.
 _KV_FULL = 0.9
 #: A KV-cache usage below this says nothing of what a request uses (an idle engine's few sequences).
 _KV_MEASURABLE = 0.05
