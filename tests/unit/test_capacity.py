@@ -681,7 +681,8 @@ def kv_policy(**auto: Any) -> Policy:
     p = running_policy(**auto)
     signals = p.signals.model_dump()
     signals["read"]["kv"] = {"source": "engines", "preset": "kv_cache_usage", "stale_after": "5s"}
-    config = p.capacity.auto.model_dump() if p.capacity.auto is not None else {}
+    assert p.capacity.auto is not None
+    config = p.capacity.auto.model_dump()
     config["signals"]["kv_cache"] = "kv"
     return Policy.model_validate({**p.model_dump(), "signals": signals,
                                   "capacity": {"max_inflight": "auto", "auto": config}})

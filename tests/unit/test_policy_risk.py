@@ -339,7 +339,7 @@ CASES = [
     Case("capacity.auto.signals.kv_cache", both(put("capacity.auto.signals.kv_cache", "kv"),
                                                 put("capacity.auto.signals.running", "queue")),
          "capacity.auto.signals.kv_cache",
-         "unset → kv: a starting limit's doubling stops where it says the cache fills", auto),
+         "unset → kv: a starting limit grows no further than where it says the cache fills", auto),
     Case("capacity.auto.signals.ttft_p95", put("capacity.auto.signals.ttft_p95", "kv"),
          "capacity.auto.signals.ttft_p95", "ttft → kv", auto),
     Case("capacity.auto.signals.tpot_p95", put("capacity.auto.signals.tpot_p95", "ttft"),
