@@ -32,7 +32,9 @@ token (TPOT) p95.
   grown further (it would only let a burst flood the engines). Until the engines first queue it
   doubles (a slow start, as TCP's: from ``min`` to hundreds in seconds), on every fresh reading
   while requests are held back rather than once per interval; a few requests waiting while what the
-  engines run still rises (a burst's prefills) do not stop it, a few that stay are trimmed without
+  engines run still rises (a burst's prefills) do not stop it, nor does a larger queue at a TTFT p95
+  under half its target while what runs rises (an engine that takes new requests in only at join
+  points, every so many steps, holds a doubling's burst until the next), a few that stay are trimmed without
   ending it, and a latency percentile over target only pauses it for the percentile's window (it is
   mostly the burst of held requests the last doubling let in). With the engines' KV-cache usage (the
   ``kv_cache`` role) a growth goes no further than where the cache would be 90 % full at what the
@@ -247,9 +249,12 @@ class AutoLimit:
         large = waiting is not None and waiting > _CLEAR_QUEUE * (target.queue + 1)
         rose = running is not None and self._running is not None and running > self._running
         self._running = running
-        if self._slow_start and queueing and not large and rose:
+        if self._slow_start and queueing and rose and (not large or self._queue_is_cheap(fresh)):
             # A few waiting while the engines still take more in are requests caught between two
             # steps (a burst's prefills), not engines out of room: a start does not stop for them.
+            # Nor for a larger queue that costs no first token while what runs still rises: an
+            # engine that takes new requests in only at join points (every so many steps) holds
+            # a doubling's burst in its queue until the next one, then runs it.
             queueing = False
         if queueing and not large and self._queue_is_cheap(fresh):
             queueing = False  # a few waiting that cost no first token anything

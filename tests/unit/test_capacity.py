@@ -659,6 +659,34 @@ def test_a_start_goes_on_through_a_few_waiting_between_engine_steps_and_ends_at_
     assert a.limit == 101  # one slot at a time through what ran, no longer doubling
 
 
+def test_a_start_goes_on_through_a_cheap_queue_while_what_runs_still_rises() -> None:
+    """An engine that takes new requests in only at join points (every so many steps) holds a
+    doubling's burst in its queue until the next one: more than four times the target waiting, at a
+    TTFT p95 under half its target, while what runs rises. The start goes on through it. The same
+    queue once what runs stays put ends it (a quarter over what runs), and a queue that costs first
+    tokens ends it as before, even while what runs rises."""
+    a = auto_of(running_policy(start=16))
+    assert a.update(engines(0, 16, ttft=0.3), 16, True, 0) is not None
+    assert a.limit == 32
+    move = a.update(engines(1, 24, waiting=12, ttft=0.3), 32, True, 1)
+    assert move is not None
+    assert (move.limit, move.reason) == (64, "headroom")
+    # What runs stays put with the queue still there: the engines are full, the start is over.
+    move = a.update(engines(2, 24, waiting=12, ttft=0.3), 40, True, 2)
+    assert move is not None
+    assert (move.limit, move.reason) == (35, "engine_queue")
+    assert "a quarter over the 28 they run" in move.why
+    assert a.update(engines(4, 35, ttft=0.3), 35, True, 4) is not None
+    assert a.limit == 36  # +5 % from here: the start has ended
+    # The same rise with a queue whose first tokens come at 60 % of the target: the engines' room
+    # is spent, the start ends at once at what they run.
+    costly = auto_of(running_policy(start=16))
+    assert costly.update(engines(0, 16, ttft=0.3), 16, True, 0) is not None
+    move = costly.update(engines(1, 24, waiting=12, ttft=0.6), 32, True, 1)
+    assert move is not None
+    assert (move.limit, move.reason) == (20, "engine_queue")
+
+
 def test_a_latency_cut_during_the_start_pauses_it_for_the_window_then_it_doubles_on() -> None:
     a = auto_of(running_policy(start=64, cooldown="2s"))
     a.update(engines(0, 64), 64, True, 0)
