@@ -437,27 +437,40 @@ def median(values: list[float]) -> float | None:
     return round(statistics.median(values), 3)
 
 
-def live_step(policy: Policy, best: int, duration: float, drain: float, workdir: Path
+def live_step(policy: Policy, best: int, duration: float, drain: float, workdir: Path, runs: int = 1
               ) -> tuple[dict[str, Any], list[tuple[float, int]]]:
-    """The step live, auto and (``static``) the simulator's best static limit, same requests."""
+    """The step live, auto and (``static``) the simulator's best static limit, same requests within a
+    run. With several ``runs`` (seeds SEED, SEED+1, ...), each figure is the median over them (each
+    run's in ``runs``: a live step's TTFT p99 moves by a second from run to run); the limit timeline
+    is the first run's."""
     third = duration / 3
     schedule = f"0:1,{third:g}:0.5,{2 * third:g}:1"
-    spec, requests = workload("chatbot", "llama-70b-2xh100", 0.1, duration)
-    print("live step", file=sys.stderr)
-    results, limits = live_run(AUTO, "llama-70b-2xh100", 0.1, requests, spec, workdir / "step",
-                               drain, schedule)
-    print(f"live step: static {best}", file=sys.stderr)
     static_file = write_static(policy, best, workdir / "static-step.yaml")
-    static_results, _ = live_run(static_file, "llama-70b-2xh100", 0.1, requests, spec,
-                                 workdir / "step-static", drain, schedule)
-    return {"settle_s_down": settle(limits, third, 2 * third),
-            "settle_s_up": settle(limits, 2 * third, duration),
-            **ttft_detail(results, third),
-            "limit_end_of_phase": [limit_at(limits, third), limit_at(limits, 2 * third),
-                                   limit_at(limits, duration)],
-            "static": {"max_inflight": best, **ttft_detail(static_results, third)},
-            "schedule": schedule,
-            "duration_s": duration}, limits
+    each: list[dict[str, Any]] = []
+    first: list[tuple[float, int]] | None = None
+    for seed in range(SEED, SEED + runs):
+        spec, requests = workload("chatbot", "llama-70b-2xh100", 0.1, duration, LOAD, seed)
+        print(f"live step: seed {seed}", file=sys.stderr)
+        results, limits = live_run(AUTO, "llama-70b-2xh100", 0.1, requests, spec, workdir / f"step-{seed}",
+                                   drain, schedule, seed)
+        print(f"live step: seed {seed}, static {best}", file=sys.stderr)
+        static_results, _ = live_run(static_file, "llama-70b-2xh100", 0.1, requests, spec,
+                                     workdir / f"step-static-{seed}", drain, schedule, seed)
+        first = first if first is not None else limits
+        each.append({"seed": seed,
+                     "settle_s_down": settle(limits, third, 2 * third),
+                     "settle_s_up": settle(limits, 2 * third, duration),
+                     **ttft_detail(results, third),
+                     "limit_end_of_phase": [limit_at(limits, third), limit_at(limits, 2 * third),
+                                            limit_at(limits, duration)],
+                     "static": {"max_inflight": best, **ttft_detail(static_results, third)}})
+    assert first is not None
+    out = _median_of(each) if len(each) > 1 else {k: v for k, v in each[0].items() if k != "seed"}
+    if len(each) > 1:
+        out["limit_end_of_phase"] = each[0]["limit_end_of_phase"]
+        out["runs"] = each
+    out.update({"schedule": schedule, "duration_s": duration})
+    return out, first
 
 
 def plot(run: Run, third: float, live: tuple[list[tuple[float, int]], float] | None, path: Path) -> bool:
@@ -563,7 +576,8 @@ def main() -> int:
             doc["profiles"] = sims + live(policy, sims, scale, drain, args.runs, Path(tmp))
             if best is not None:
                 live_duration_step = 45.0 if args.quick else 90.0
-                doc["step_live"], limits = live_step(policy, best, live_duration_step, drain, Path(tmp))
+                doc["step_live"], limits = live_step(policy, best, live_duration_step, drain, Path(tmp),
+                                                         args.runs)
                 doc["step_live"]["limit_timeline"] = [[round(t, 2), n] for t, n in limits]
                 live_limits = (limits, live_duration_step / 3)
     if stepped is not None:
