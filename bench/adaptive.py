@@ -34,7 +34,8 @@ change until the limit stays within +-10 % of the value it ends that phase with;
 to the end. `step` is simulated seconds; `step_live` the same step live (Envoy + extproc + the
 simulated backend, llama-70b-2xh100 at x0.1, wall-clock seconds, the limit read from
 /admin/state every 0.5 s), with the best static limit through the same live step beside it
-(`step_live.static`).
+(`step_live.static`), on `--runs` seeds: each figure the median over them, each seed's in
+`step_live.runs` (the limit at the end of each phase and the timeline are the first seed's).
 
 Live (Envoy + extproc + sim backend), auto and the simulator's best static run on
 llama-70b-2xh100 at x0.1 (60 s of arrivals), llama-8b-h100 at x1 (120 s), llama-8b-l40s-tgi and
@@ -525,7 +526,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="shorter runs (a smoke test)")
     parser.add_argument("--no-live", action="store_true", help="the simulator only")
     parser.add_argument("--runs", type=int, default=3, metavar="N",
-                        help="seeded live runs of auto and of the best static per profile (default 3)")
+                        help="seeded live runs of auto and of the best static, per profile and for the live "
+                             "step (default 3)")
     parser.add_argument("--sim-seeds", type=int, default=3, metavar="N",
                         help="seeded workloads per simulated profile and cold start (default 3)")
     parser.add_argument("--profiles", metavar="NAME[,NAME...]",

@@ -668,23 +668,25 @@ def test_a_start_goes_on_through_a_cheap_queue_while_what_runs_still_rises() -> 
     a = auto_of(running_policy(start=16))
     assert a.update(engines(0, 16, ttft=0.3), 16, True, 0) is not None
     assert a.limit == 32
-    move = a.update(engines(1, 24, waiting=12, ttft=0.3), 32, True, 1)
+    move = a.update(engines(1, 20, waiting=12, ttft=0.3), 32, True, 1)
     assert move is not None
     assert (move.limit, move.reason) == (64, "headroom")
     # What runs stays put with the queue still there: the engines are full, the start is over.
-    move = a.update(engines(2, 24, waiting=12, ttft=0.3), 40, True, 2)
+    move = a.update(engines(2, 20, waiting=12, ttft=0.3), 32, True, 2)
     assert move is not None
-    assert (move.limit, move.reason) == (35, "engine_queue")
-    assert "a quarter over the 28 they run" in move.why
-    assert a.update(engines(4, 35, ttft=0.3), 35, True, 4) is not None
-    assert a.limit == 36  # +5 % from here: the start has ended
+    assert (move.limit, move.reason) == (32, "engine_queue")
+    assert "a quarter over the 20 they run" in move.why
+    assert a.update(engines(4, 32, ttft=0.3), 32, True, 4) is not None
+    assert a.limit == 33  # +5 % from here: the start has ended
     # The same rise with a queue whose first tokens come at 60 % of the target: the engines' room
     # is spent, the start ends at once at what they run.
     costly = auto_of(running_policy(start=16))
     assert costly.update(engines(0, 16, ttft=0.3), 16, True, 0) is not None
-    move = costly.update(engines(1, 24, waiting=12, ttft=0.6), 32, True, 1)
+    move = costly.update(engines(1, 20, waiting=12, ttft=0.6), 32, True, 1)
     assert move is not None
     assert (move.limit, move.reason) == (20, "engine_queue")
+    assert costly.update(engines(3, 20, ttft=0.3), 20, True, 3) is not None
+    assert costly.limit == 21  # +5 %: no doubling after it
 
 
 def test_a_latency_cut_during_the_start_pauses_it_for_the_window_then_it_doubles_on() -> None:
