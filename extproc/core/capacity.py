@@ -41,7 +41,8 @@ token (TPOT) p95.
   running requests use of it now (+5 % once there): an engine bound by its cache shows no queue and
   a low TTFT right up to the moment its sequences outgrow it, so a doubling past that point (128 →
   256 live on the 70B profile, whose best static limit is 96) showed only later, as a queue the
-  admitted excess waited in. A queue the engines cannot clear (four times the target) ends it, and
+  admitted excess waited in. A queue the engines cannot clear (four times the target) ends it (unless
+  it costs no first token while what they run still rises), and
   where they had too many is then what they ran, not the doubling's overshoot. After that, as TCP
   CUBIC: quickly (+5 %, doubling per growth up to +25 %) back up to 95 % of where the last fall
   began, then +1 % (at least one slot) per interval through ±5 % of it, and past that, where nothing
