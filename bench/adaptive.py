@@ -302,12 +302,17 @@ def sim_step(policy: Policy, duration: float, best: int, seeds: int = 1) -> tupl
                        "goodput_during": round(goodput([r for r in fixed.results if r.at >= third], spec,
                                                        2 * third), 3)}})
     assert first is not None
-    out = _median_of(runs) if len(runs) > 1 else {k: v for k, v in runs[0].items() if k != "seed"}
-    if len(runs) > 1:
-        out["limit_end_of_phase"] = runs[0]["limit_end_of_phase"]
-        out["runs"] = runs
+    out = _step_summary(runs)
     out.update({"schedule": f"0:1,{third:g}:0.5,{2 * third:g}:1", "duration_s": duration})
     return out, first, third
+
+
+def _step_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A step's figures over its seeds: each the median (each seed's in ``runs``), the limit at the end
+    of each phase the first seed's; one seed's figures as they are."""
+    if len(runs) == 1:
+        return {k: v for k, v in runs[0].items() if k != "seed"}
+    return {**_median_of(runs), "limit_end_of_phase": runs[0]["limit_end_of_phase"], "runs": runs}
 
 
 def _median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -466,10 +471,7 @@ def live_step(policy: Policy, best: int, duration: float, drain: float, workdir:
                                             limit_at(limits, duration)],
                      "static": {"max_inflight": best, **ttft_detail(static_results, third)}})
     assert first is not None
-    out = _median_of(each) if len(each) > 1 else {k: v for k, v in each[0].items() if k != "seed"}
-    if len(each) > 1:
-        out["limit_end_of_phase"] = each[0]["limit_end_of_phase"]
-        out["runs"] = each
+    out = _step_summary(each)
     out.update({"schedule": schedule, "duration_s": duration})
     return out, first
 
