@@ -25,29 +25,30 @@ token (TPOT) p95.
   remembers where the engines had too many: what ran then (not a limit far above it; a cheap
   queue's trim leaves it).
 * **Grow carefully.** Only while every fresh signal has headroom (no engine queue beyond the target,
-  latencies below 90 % of their targets) *and* the limit is what holds traffic back (in flight ≥ 90 %
-  of the limit, or ≥ 75 % while requests wait in extproc's queues for want of a slot, or within one
-  slot per lane of it: at a limit of a few slots per lane, every lane sized at least one, a lane at
-  its share holds work back long before 75 % are in flight): a limit far above what runs is not grown
-  further (it would only let a burst flood the engines). Until the engines first queue it doubles (a
-  slow start, as TCP's: from ``min`` to hundreds in seconds), on every fresh reading while requests
-  are held back rather than once per interval; a few requests waiting while what the engines run still
-  rises (a burst's prefills) do not stop it, nor does a larger queue at a TTFT p95 under half its
-  target while what runs rises (an engine that takes new requests in only at join points, every so
-  many steps, holds a doubling's burst until the next); a few that stay are trimmed without ending it,
-  and a latency percentile over target only pauses it for the percentile's window (it is mostly the
-  burst of held requests the last doubling let in). With the engines' KV-cache usage (the ``kv_cache``
-  role) a growth goes no further than where the cache would be 90 % full at what the running requests
-  use of it now (+5 % once there): an engine bound by its cache shows no queue and a low TTFT right up
-  to the moment its sequences outgrow it, so a doubling past that point (128 → 256 live on the 70B
-  profile, whose best static limit is 96) showed only later, as a queue the admitted excess waited in.
-  A queue the engines cannot clear (four times the target) ends it (unless it costs no first token
-  while what they run still rises), and where they had too many is then what they ran, not the
-  doubling's overshoot. After that, as TCP CUBIC: quickly (+5 %, doubling per growth up to +25 %) back
-  up to 95 % of where the last fall began, then +1 % (at least one slot) per interval through ±5 % of
-  it, and past that, where nothing said "too many" yet, quickly again. A limit that nothing presses
-  against never drifts up; the saw-tooth of a plain additive increase is damped where it used to
-  break.
+  latencies below 90 % of their targets) *and* the limit is what holds traffic back (in flight
+  ≥ 90 % of the limit, or ≥ 75 % while requests wait in extproc's queues for want of a slot, or
+  within one slot per lane of it: at a limit of a few slots per lane, every lane sized at least one,
+  a lane at its share holds work back long before 75 % are in flight): a limit far above what runs
+  is not grown further (it would only let a burst flood the engines). Until the engines first queue
+  it doubles (a slow start, as TCP's: from ``min`` to hundreds in seconds), on every fresh reading
+  while requests are held back rather than once per interval; a few requests waiting while what the
+  engines run still rises (a burst's prefills) do not stop it, nor does a larger queue at a TTFT p95
+  under half its target while what runs rises by at least half of what waited at the last reading
+  (an engine that takes new requests in only at join points, every so many steps, holds a doubling's
+  burst until the next; a queue that stays while what runs creeps up is the start's overshoot
+  building up, and ends it); a few that stay are trimmed without ending it, and a latency percentile
+  over target only pauses it for the percentile's window (it is mostly the burst of held requests
+  the last doubling let in). With the engines' KV-cache usage (the ``kv_cache`` role) a growth goes
+  no further than where the cache would be 90 % full at what the running requests use of it now
+  (+5 % once there): an engine bound by its cache shows no queue and a low TTFT right up to the
+  moment its sequences outgrow it, so a doubling past that point (128 → 256 live on the 70B profile,
+  whose best static limit is 96) showed only later, as a queue the admitted excess waited in. A
+  queue the engines cannot clear (four times the target) ends it (unless, as above, they are taking
+  it in), and where they had too many is then what they ran, not the doubling's overshoot. After
+  that, as TCP CUBIC: quickly (+5 %, doubling per growth up to +25 %) back up to 95 % of where the
+  last fall began, then +1 % (at least one slot) per interval through ±5 % of it, and past that,
+  where nothing said "too many" yet, quickly again. A limit that nothing presses against never
+  drifts up; the saw-tooth of a plain additive increase is damped where it used to break.
 * **Stale or missing signals.** With no fresh signal the last limit holds for ``stale_hold``,
   then decays by 10 % per interval to ``min``; the state says so.
 * **Unreachable targets** (a TPOT of 1 ms): the limit stops at ``min`` and the state says the
@@ -103,6 +104,10 @@ _DECAY = 0.9
 #: first token anything: not a queue to fall for (an engine that batches new requests in every few
 #: steps shows a few waiting at most samples with free slots).
 _QUEUE_TTFT = 0.5
+#: A start goes on through a queue over _CLEAR_QUEUE times the target only while what the engines run
+#: rose, since the last reading, by at least this share of what waited then (and it costs no first
+#: token): the engines are taking the queue in, at a join point, not out of room.
+_QUEUE_TAKEN = 0.5
 
 Reason = Literal["start", "running", "engine_queue", "ttft", "tpot", "headroom", "stale", "reload"]
 Role = Literal["waiting", "running", "ttft_p95", "tpot_p95", "kv_cache"]
@@ -163,6 +168,7 @@ class AutoLimit:
         self._look(signals)
         self._queueing = False
         self._running: float | None = None
+        self._waiting: float | None = None
         self._stale_since: float | None = None
         self._values: dict[str, float | None] = {}
         self._unreachable: str | None = None
@@ -248,14 +254,18 @@ class AutoLimit:
         waiting, running = fresh.get("waiting"), fresh.get("running")
         queueing = waiting is not None and waiting > target.queue
         large = waiting is not None and waiting > _CLEAR_QUEUE * (target.queue + 1)
-        rose = running is not None and self._running is not None and running > self._running
-        self._running = running
-        if self._slow_start and queueing and rose and (not large or self._queue_is_cheap(fresh)):
+        rise = running - self._running if running is not None and self._running is not None else None
+        waited = self._waiting or 0.0
+        self._running, self._waiting = running, waiting
+        if self._slow_start and queueing and rise is not None and rise > 0 and (
+                not large or (rise >= _QUEUE_TAKEN * waited and self._queue_is_cheap(fresh))):
             # A few waiting while the engines still take more in are requests caught between two
             # steps (a burst's prefills), not engines out of room: a start does not stop for them.
-            # Nor for a larger queue that costs no first token while what runs still rises: an
-            # engine that takes new requests in only at join points (every so many steps) holds
-            # a doubling's burst in its queue until the next one, then runs it.
+            # Nor for a larger queue that costs no first token while what runs still rises by at
+            # least half of what waited at the last reading: an engine that takes new requests in
+            # only at join points (every so many steps) holds a doubling's burst in its queue until
+            # the next one, then runs it. A queue that stays while what runs creeps up (by one or
+            # two) is the engines out of room, the start's overshoot building up: it ends the start.
             queueing = False
         if queueing and not large and self._queue_is_cheap(fresh):
             queueing = False  # a few waiting that cost no first token anything

@@ -678,6 +678,25 @@ def test_a_start_goes_on_through_a_cheap_queue_while_what_runs_still_rises() -> 
     assert "a quarter over the 20 they run" in move.why
     assert a.update(engines(4, 32, ttft=0.3), 32, True, 4) is not None
     assert a.limit == 33  # +5 % from here: the start has ended
+    # The queue stays while what runs creeps up by one: the engines are not taking it in (a rise of
+    # half what waited would be), the start's overshoot builds up at them. The start ends.
+    creep = auto_of(running_policy(start=16))
+    assert creep.update(engines(0, 16, ttft=0.3), 16, True, 0) is not None
+    assert creep.update(engines(1, 20, waiting=12, ttft=0.3), 32, True, 1) is not None
+    assert creep.limit == 64
+    move = creep.update(engines(2, 21, waiting=30, ttft=0.3), 64, True, 2)
+    assert move is not None
+    assert (move.limit, move.reason) == (42, "engine_queue")
+    assert "a quarter over the 34 they run" in move.why  # what is in flight less what waits
+    assert creep.update(engines(4, 40, ttft=0.3), 42, True, 4) is not None
+    assert creep.limit == 44  # +5 %: the start has ended
+    # A rise of half what waited at the last reading (12 → 6) with a queue still there: taken in.
+    taken = auto_of(running_policy(start=16))
+    assert taken.update(engines(0, 16, ttft=0.3), 16, True, 0) is not None
+    assert taken.update(engines(1, 20, waiting=12, ttft=0.3), 32, True, 1) is not None
+    move = taken.update(engines(2, 26, waiting=30, ttft=0.3), 64, True, 2)
+    assert move is not None
+    assert (move.limit, move.reason) == (128, "headroom")
     # The same rise with a queue whose first tokens come at 60 % of the target: the engines' room
     # is spent, the start ends at once at what they run.
     costly = auto_of(running_policy(start=16))
