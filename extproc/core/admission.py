@@ -34,6 +34,9 @@ from extproc.core.saturation import Effect
 from extproc.core.timers import Timers
 from extproc.policy.schema import Lane, Policy
 
+#: Refusals that say only slots were missing (where the lane is slot-bound): Scheduler.turned_away_at.
+_FOR_WANT_OF_A_SLOT = frozenset({Reason.QUEUE_FULL, Reason.DEADLINE_UNMEETABLE})
+
 
 class Scheduler:
     """Every admission decision: a request's verdict, and what a slot freeing or a deadline passing
@@ -49,6 +52,10 @@ class Scheduler:
         self._timers = Timers()
         self.draining = False
         self.reclaimed = 0
+        #: When a request was last refused for want of a slot (its lane's queue full, or its deadline
+        #: out of reach behind it, while only slots held the lane back): work a larger limit would
+        #: have started, as held work is, though none may wait now. None: never.
+        self.turned_away_at: float | None = None
         self.reconfigure(policy)
 
     # -- configuration ------------------------------------------------------------
@@ -225,6 +232,8 @@ class Scheduler:
             return Decision(Outcome.ADMITTED, ticket, reason, shadow=outcome), []
         if outcome is Outcome.REJECTED:
             assert reason is not None
+            if reason in _FOR_WANT_OF_A_SLOT and lanes.slot_bound(lane):
+                self.turned_away_at = now
             cause = lanes.effects[lane.name] if reason is Reason.SATURATED else None
             return self._reject(ticket, reason, now, cause), []
         evicted: list[Decision] = []
@@ -235,6 +244,8 @@ class Scheduler:
         if cap is not None and lanes.total_queued >= cap:
             victim = lanes.victim(lane, ticket)
             if victim is None:
+                if lanes.slot_bound(lane):
+                    self.turned_away_at = now
                 return self._reject(ticket, Reason.QUEUE_FULL, now), evicted
             evicted.append(self._withdraw(victim, Reason.EVICTED, now))
         ticket.entry = Entry(ticket.id, tenant, now, ticket.deadline, predicted, rank)

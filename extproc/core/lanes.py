@@ -316,11 +316,14 @@ class Lanes:
         """Whether requests wait only for want of a slot: a lane has a queue and is at its share or
         the fleet is at its limit (not paused, closed, refused by the store, or shrunk by saturation).
         What a self-sizing limit asks before it grows: would more slots let more work start?"""
-        for name, lane in self.configs.items():
-            if (self.queues[name] and name not in self.effects and name not in self.paused
-                    and name not in self.blocked and not lane.closed and not self.admits(lane)):
-                return True
-        return False
+        return any(self.queues[name] and self.slot_bound(lane) for name, lane in self.configs.items())
+
+    def slot_bound(self, lane: Lane) -> bool:
+        """Whether only slots keep ``lane`` from starting one more request: it is at its share or the
+        fleet at its limit, and not paused, closed, refused by the store, or shrunk by saturation."""
+        name = lane.name
+        return (name not in self.effects and name not in self.paused and name not in self.blocked
+                and not lane.closed and not self.admits(lane))
 
     # -- the slot rule --------------------------------------------------------------
 

@@ -321,7 +321,11 @@ class Machine:
         if self.auto is not None and self._agreed:
             scheduler = self._scheduler
             inflight = fleet_inflight if fleet_inflight is not None else scheduler.total_inflight
-            move = self.auto.update(readings, inflight, scheduler.held_back, now)
+            # Held back: requests wait for want of a slot now, or one was refused for want of one
+            # within the limit's interval (a queue full, a deadline out of reach behind it).
+            away = scheduler.turned_away_at
+            held = scheduler.held_back or (away is not None and now - away <= self.auto.auto.interval)
+            move = self.auto.update(readings, inflight, held, now)
             if move is not None and not self.fleet_managed:
                 decisions.extend(self.set_limit(move.limit, now))
         return Signalled(changes, decisions, move)

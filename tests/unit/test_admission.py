@@ -688,3 +688,29 @@ def test_held_back_says_whether_more_slots_would_let_queued_work_start() -> None
     assert s.held_back
     s.apply_saturation({"a": Effect(signal="kv", factor=0.5, shrunk_by="kv-high")}, 0)
     assert not s.held_back  # shrunk by a saturation rule: the engines said so, not the limit
+
+
+def test_a_refusal_for_want_of_a_slot_is_noted_for_the_self_sizing_limit() -> None:
+    """A request refused because its lane is at its share (its queue full, or its deadline out of
+    reach behind the slots) is work a larger limit would have started, like held work, though none
+    waits after it: the scheduler notes when. A refusal for any other reason is not noted."""
+    from extproc.core.saturation import Effect
+
+    p = make_policy([lane("a", 1, max_queued=0), lane("b", 1, deadline="2s")])
+    s = scheduler(p)
+    submit(s, "a", 0.0)
+    assert s.turned_away_at is None
+    assert submit(s, "a", 1.0).reason is Reason.QUEUE_FULL  # no queue: refused at its share
+    assert s.turned_away_at == 1.0
+    assert not s.held_back  # nothing waits, yet a slot was wanted
+    submit(s, "b", 2.0, seconds=5.0)
+    assert submit(s, "b", 3.0).reason is Reason.DEADLINE_UNMEETABLE  # 4 s behind the one slot
+    assert s.turned_away_at == 3.0
+    # Paused, or shed by a saturation rule: refused, but not for want of a slot.
+    s.pause("a")
+    assert submit(s, "a", 4.0).reason is Reason.QUEUE_FULL
+    assert s.turned_away_at == 3.0
+    s.resume("a", 4.0)
+    s.apply_saturation({"b": Effect(signal="kv", shed_by="kv-high")}, 5.0)
+    assert submit(s, "b", 5.0).reason is Reason.SATURATED
+    assert s.turned_away_at == 3.0

@@ -597,6 +597,34 @@ def test_a_start_doubles_on_every_fresh_reading_while_requests_are_held_back() -
     assert a.limit == 64
 
 
+def test_a_start_doubles_on_a_reading_after_requests_were_refused_for_want_of_a_slot() -> None:
+    """At a small limit a lane's requests may be refused at once (no room in its queue, or a deadline
+    out of reach behind its few slots) instead of held: nothing waits after them, yet more slots would
+    have started them. A refusal for want of a slot within the limit's interval counts as held work:
+    a start doubles on the next fresh reading, as it does for a queue. An older one does not."""
+    data = running_policy(start=4).model_dump()
+    data["lanes"][0]["max_queued"] = 0  # interactive: no queue, refused at its share
+    p = Policy.model_validate(data)
+
+    def refused_at(t: float) -> Machine:
+        gate = Machine(p)
+        gate.on_signals(engines(0, 0), 0)
+        outcomes = [gate.submit("interactive", "t", job(), t).decision.outcome.value for _ in range(4)]
+        assert outcomes == ["admitted"] * 3 + ["rejected"]  # its share of 4 is 3
+        assert not gate._scheduler.held_back  # nothing waits
+        return gate
+
+    gate = refused_at(0.5)
+    result = gate.on_signals(engines(1, 3), 1)
+    assert result.move is not None
+    assert (result.move.previous, result.move.limit, result.move.reason) == (4, 8, "headroom")
+    # The same refusal 2.5 s before the reading (the interval is 2 s): nothing says slots are
+    # wanted now, and three of four in flight is no pressure alone.
+    gate = refused_at(0.5)
+    assert gate.on_signals(engines(3, 3), 3).move is None
+    assert gate.policy.total_capacity == 4
+
+
 def test_at_a_few_slots_per_lane_a_lane_held_at_its_share_is_pressure_enough() -> None:
     p = running_policy()
     assert p.capacity.auto is not None
