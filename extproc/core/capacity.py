@@ -25,31 +25,31 @@ token (TPOT) p95.
   remembers where the engines had too many: what ran then (not a limit far above it; a cheap
   queue's trim leaves it).
 * **Grow carefully.** Only while every fresh signal has headroom (no engine queue beyond the target,
-  latencies below 90 % of their targets) *and* the limit is what holds traffic back (in flight
-  ≥ 90 % of the limit, or ≥ 75 % while requests wait in extproc's queues for want of a slot (or were
-  refused for want of one within the interval), or within one slot per lane of it: at a limit of a
-  few slots per lane, every lane sized at least one, a lane at its share holds work back long before
-  75 % are in flight): a limit far above what runs is not grown further (it would only let a burst
-  flood the engines). Until the engines first queue it doubles (a slow start, as TCP's: from ``min``
-  to hundreds in seconds), on every fresh reading while requests are held back rather than once per
-  interval; a few requests waiting while what the engines run still rises (a burst's prefills) do
-  not stop it, nor does a larger queue at a TTFT p95 under half its target while what runs rises by
-  at least half of what waited at the last reading (an engine that takes new requests in only at
-  join points, every so many steps, holds a doubling's burst until the next; a queue that stays
-  while what runs creeps up is the start's overshoot building up, and ends it); a few that stay are
-  trimmed without ending it, and a latency percentile over target only pauses it for the
-  percentile's window (it is mostly the burst of held requests the last doubling let in). With the
-  engines' KV-cache usage (the ``kv_cache`` role) a growth goes no further than where the cache
-  would be 90 % full at what the running requests use of it now (+5 % once there): an engine bound
-  by its cache shows no queue and a low TTFT right up to the moment its sequences outgrow it, so a
-  doubling past that point (128 → 256 live on the 70B profile, whose best static limit is 96) showed
-  only later, as a queue the admitted excess waited in. A queue the engines cannot clear (four times
-  the target) ends it (unless, as above, they are taking it in), and where they had too many is then
-  what they ran, not the doubling's overshoot. After that, as TCP CUBIC: quickly (+5 %, doubling per
-  growth up to +25 %) back up to 95 % of where the last fall began, then +1 % (at least one slot)
-  per interval through ±5 % of it, and past that, where nothing said "too many" yet, quickly again.
-  A limit that nothing presses against never drifts up; the saw-tooth of a plain additive increase
-  is damped where it used to break.
+  latencies below 90 % of their targets, a KV cache under 90 % full) *and* the limit is what holds
+  traffic back (in flight ≥ 90 % of the limit, or ≥ 75 % while requests wait in extproc's queues for
+  want of a slot (or were refused for want of one within the interval), or within one slot per lane
+  of it: at a limit of a few slots per lane, every lane sized at least one, a lane at its share
+  holds work back long before 75 % are in flight): a limit far above what runs is not grown further
+  (it would only let a burst flood the engines). Until the engines first queue it doubles (a slow
+  start, as TCP's: from ``min`` to hundreds in seconds), on every fresh reading while requests are
+  held back rather than once per interval; a few requests waiting while what the engines run still
+  rises (a burst's prefills) do not stop it, nor does a larger queue at a TTFT p95 under half its
+  target while what runs rises by at least half of what waited at the last reading (an engine that
+  takes new requests in only at join points, every so many steps, holds a doubling's burst until the
+  next; a queue that stays while what runs creeps up is the start's overshoot building up, and ends
+  it); a few that stay are trimmed without ending it, and a latency percentile over target only
+  pauses it for the percentile's window (it is mostly the burst of held requests the last doubling
+  let in). With the engines' KV-cache usage (the ``kv_cache`` role) a growth goes no further than
+  where the cache would be 90 % full at what the running requests use of it now (+5 % once there):
+  an engine bound by its cache shows no queue and a low TTFT right up to the moment its sequences
+  outgrow it, so a doubling past that point (128 → 256 live on the 70B profile, whose best static
+  limit is 96) showed only later, as a queue the admitted excess waited in. A queue the engines
+  cannot clear (four times the target) ends it (unless, as above, they are taking it in), and where
+  they had too many is then what they ran, not the doubling's overshoot. After that, as TCP CUBIC:
+  quickly (+5 %, doubling per growth up to +25 %) back up to 95 % of where the last fall began, then
+  +1 % (at least one slot) per interval through ±5 % of it, and past that, where nothing said "too
+  many" yet, quickly again. A limit that nothing presses against never drifts up; the saw-tooth of a
+  plain additive increase is damped where it used to break.
 * **Stale or missing signals.** With no fresh signal the last limit holds for ``stale_hold``,
   then decays by 10 % per interval to ``min``; the state says so.
 * **Unreachable targets** (a TPOT of 1 ms): the limit stops at ``min`` and the state says the
@@ -94,8 +94,11 @@ _CLEAR_QUEUE = 4
 #: over what the engines run: the engines' own queue is what feeds their next step.
 _CHEAP_BUFFER = 0.25
 #: A start grows no further than where the engines' KV cache would be this full at the share of it
-#: each running request uses now (the kv_cache role; +5 % once there): a cache-bound engine shows no
-#: queue until its sequences outgrow the cache, a reading after the doubling that overfilled it.
+#: each running request uses now (the kv_cache role; +5 % once there, while it is not yet): a
+#: cache-bound engine shows no queue until its sequences outgrow the cache, a reading after the
+#: doubling that overfilled it. A cache this full is a signal without headroom: no limit grows (an
+#: engine that preempts past it recomputes; growing there took the V0-like engine 56 → 70 at 99 %
+#: while a few waited, and the fall that followed held its interactive lane past its deadline).
 _KV_FULL = 0.9
 #: A KV-cache usage below this says nothing of what a request uses (an idle engine's few sequences).
 _KV_MEASURABLE = 0.05
@@ -375,7 +378,7 @@ class AutoLimit:
             (value := fresh.get(role)) is None or (goal := getattr(target, role)) is None
             or value < goal * _HEADROOM
             for role in ("ttft_p95", "tpot_p95")
-        )
+        ) and not _KV_FULL <= fresh.get("kv_cache", 0.0) <= 1.0  # 90 % full: no room (past 1: garbage)
         # Held back, and in flight within one slot per lane of the limit: at a few slots per lane (a
         # start from min) the lanes' rounded shares, each at least one slot, leave a lane at its share
         # with the slots that are left another lane's; 75 % is out of reach while work waits there.

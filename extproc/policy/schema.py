@@ -226,7 +226,8 @@ class AutoSignals(_Strict):
     kv_cache: Annotated[str, Field(pattern=_NAME)] | None = None
     """The engines' KV-cache usage, 0 to 1 (e.g. preset kv_cache_usage; needs ``running``): a starting
     limit grows no further than where the cache would be 90 % full at what each running request uses
-    of it now (+5 % per reading once there) rather than doubling."""
+    of it now (+5 % per reading once there, while it is not) rather than doubling; and no limit grows
+    while the cache is 90 % full or more."""
 
 
 class AutoCapacity(_Strict):

@@ -815,7 +815,7 @@ def test_a_start_doubles_no_further_than_the_kv_cache_holds_and_goes_on() -> Non
         assert c.limit == 34
 
 
-def test_out_of_the_start_the_kv_cache_leaves_growth_alone() -> None:
+def test_out_of_the_start_the_kv_cache_caps_no_growth_but_a_full_one_stops_it() -> None:
     a = auto_of(kv_policy(start=64))
     a.update(engines(0, 0), 0, False, 0)
     assert a.update(engines(1, 60), 64, True, 1) is not None
@@ -823,12 +823,23 @@ def test_out_of_the_start_the_kv_cache_leaves_growth_alone() -> None:
     # A queue the engines cannot clear ends the start: down to what they ran (98).
     assert a.update(engines(2, 98, waiting=30), 128, True, 2) is not None
     assert a.limit == 98
-    # Out of the start growth creeps through where they had too many (+1 %, at least a slot), however
-    # full or empty the cache.
-    assert a.update({**engines(4, 98), "kv": Reading(0.99, 4)}, 98, True, 4) is not None
+    # Out of the start the cache does not cap a growth: it creeps through where they had too many
+    # (+1 %, at least a slot) with the cache 10 % or 89 % full, as without one...
+    assert a.update({**engines(4, 98), "kv": Reading(0.1, 4)}, 98, True, 4) is not None
     assert a.limit == 99
-    assert a.update({**engines(6, 99), "kv": Reading(0.1, 6)}, 99, True, 6) is not None
+    assert a.update({**engines(6, 99), "kv": Reading(0.89, 6)}, 99, True, 6) is not None
     assert a.limit == 100
+    # ... but a cache 90 % full or more is a signal without headroom, as a latency near its target:
+    # no growth (a KV-bound engine preempts and recomputes past it), in the start or out of it.
+    for t, usage in ((8, 0.9), (10, 0.99), (12, 1.0)):  # (each a tick: the interval is 2 s)
+        assert a.update({**engines(t, 100), "kv": Reading(usage, t)}, 100, True, t) is None
+        assert a.limit == 100
+    assert a.update({**engines(14, 100), "kv": Reading(0.5, 14)}, 100, True, 14) is not None
+    assert a.limit == 101
+    start = auto_of(kv_policy(start=16))
+    start.update(engines(0, 0), 0, False, 0)
+    assert start.update({**engines(1, 15), "kv": Reading(0.95, 1)}, 15, True, 1) is None
+    assert start.limit == 16
 
 
 async def test_with_a_store_the_limit_waits_for_the_fleet_s_answer_before_it_moves() -> None:
