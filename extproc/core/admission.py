@@ -52,9 +52,7 @@ class Scheduler:
         self._timers = Timers()
         self.draining = False
         self.reclaimed = 0
-        #: When a request was last refused for want of a slot (its lane's queue full, or its deadline
-        #: out of reach behind it, while only slots held the lane back): work a larger limit would
-        #: have started, as held work is, though none may wait now. None: never.
+        #: When a request was last refused for want of a slot (see ``turned_away``); None: never.
         self.turned_away_at: float | None = None
         self.reconfigure(policy)
 
@@ -191,6 +189,13 @@ class Scheduler:
         """Whether requests wait only for want of a slot: see ``Lanes.held_back``."""
         return self._lanes.held_back
 
+    def turned_away(self, lane_name: str, now: float, reason: Reason = Reason.QUEUE_FULL) -> None:
+        """A request of ``lane_name`` refused (here, or at the edge) for want of a slot, only slots
+        holding its lane back: work a larger limit would start, though none waits. ``turned_away_at``."""
+        lane = self._lanes.configs.get(lane_name)
+        if reason in _FOR_WANT_OF_A_SLOT and lane is not None and self._lanes.slot_bound(lane):
+            self.turned_away_at = now
+
     def occupancy(self) -> float:
         return self._lanes.occupancy()
 
@@ -232,8 +237,7 @@ class Scheduler:
             return Decision(Outcome.ADMITTED, ticket, reason, shadow=outcome), []
         if outcome is Outcome.REJECTED:
             assert reason is not None
-            if reason in _FOR_WANT_OF_A_SLOT and lanes.slot_bound(lane):
-                self.turned_away_at = now
+            self.turned_away(lane.name, now, reason)
             cause = lanes.effects[lane.name] if reason is Reason.SATURATED else None
             return self._reject(ticket, reason, now, cause), []
         evicted: list[Decision] = []
@@ -244,8 +248,7 @@ class Scheduler:
         if cap is not None and lanes.total_queued >= cap:
             victim = lanes.victim(lane, ticket)
             if victim is None:
-                if lanes.slot_bound(lane):
-                    self.turned_away_at = now
+                self.turned_away(lane.name, now)
                 return self._reject(ticket, Reason.QUEUE_FULL, now), evicted
             evicted.append(self._withdraw(victim, Reason.EVICTED, now))
         ticket.entry = Entry(ticket.id, tenant, now, ticket.deadline, predicted, rank)

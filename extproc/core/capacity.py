@@ -1,9 +1,9 @@
 """Self-sizing capacity: the fleet's in-flight limit, found and followed from the engines' own signals.
 
 How this works: :class:`AutoLimit` holds one number, the fleet in-flight limit, inside the
-policy's ``[min, max]``, and moves it at most once per ``interval`` from three engine signals
-(each optional): the requests waiting in the engines' own queues, TTFT p95 and time per output
-token (TPOT) p95.
+policy's ``[min, max]``, and moves it at most once per ``interval`` from engine signals (each
+optional): the requests waiting in the engines' own queues, TTFT p95, time per output token (TPOT)
+p95, the requests the engines run, and their KV-cache usage.
 
 * **Fall fast.** An engine queue above ``target.queue`` (seen on two ticks running, or four times
   over at once) means the limit lets more requests in than the engines run at once: the limit drops
@@ -85,7 +85,9 @@ _GROW_FIRST, _GROW_MAX = 0.05, 0.25
 _NEAR, _CREEP = 0.05, 0.01
 #: Headroom: latencies below this share of their target. Pressure: in flight at _PRESSED of the
 #: limit, or at _PRESSED_HELD of it while requests wait in extproc's queues for want of a slot (a
-#: lane at its share). Not less: a limit far above what runs would only let a burst flood the engines.
+#: lane at its share), or were refused for want of one since the limit last moved and within the
+#: interval (Scheduler.turned_away_at). Not less: a limit far above what runs would only let a
+#: burst flood the engines.
 _HEADROOM, _PRESSED, _PRESSED_HELD = 0.9, 0.9, 0.75
 #: An engine queue this many times the target (+1) is acted on at once; a smaller one only when
 #: the previous tick saw one too (a request that arrived just before the sample waits one step).
@@ -187,10 +189,17 @@ class AutoLimit:
     def limit(self) -> int:
         return int(self._value)
 
+    @property
+    def since(self) -> float:
+        """When the limit last moved (or, before it has, when it was made; or when it went stale)."""
+        return self._since
+
     def reconfigure(self, auto: AutoCapacity, signals: Signals, now: float, *, lanes: int | None = None
                     ) -> Move | None:
         """A new policy: keep the limit learned so far, clamped into the new bounds (``lanes``: the new
         policy's count, if it changed)."""
+        if auto.signals != self.auto.signals:
+            self._running = self._waiting = None  # other signals: their last readings say nothing now
         self.auto, self._signals = auto, signals
         if lanes is not None:
             self.lanes = lanes
@@ -378,7 +387,9 @@ class AutoLimit:
             (value := fresh.get(role)) is None or (goal := getattr(target, role)) is None
             or value < goal * _HEADROOM
             for role in ("ttft_p95", "tpot_p95")
-        ) and not _KV_FULL <= fresh.get("kv_cache", 0.0) <= 1.0  # 90 % full: no room (past 1: garbage)
+        # A cache 90 % full has no room to give. Past 1 is no usage (a percentage where a fraction
+        # belongs): as in _kv_room, it may slow a start, never stop the limit for good.
+        ) and not _KV_FULL <= fresh.get("kv_cache", 0.0) <= 1.0
         # Held back, and in flight within one slot per lane of the limit: at a few slots per lane (a
         # start from min) the lanes' rounded shares, each at least one slot, leave a lane at its share
         # with the slots that are left another lane's; 75 % is out of reach while work waits there.

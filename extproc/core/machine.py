@@ -279,6 +279,9 @@ class Machine:
     def shed(self, judgements: list[Judgement], now: float) -> Shed:
         """The answer to an arrival some of whose descriptors are over their limits."""
         self.now = now
+        for judgement in judgements:  # a lane full at the edge: work a larger limit would start
+            if not judgement.shadow and any(check.reason is Reason.QUEUE_FULL for check in judgement.over):
+                self._scheduler.turned_away(judgement.lane, now)
         return self._edge.shed(judgements, lambda: self.permit_retry(now))
 
     def charge(self, config: RateLimit, entries: Mapping[str, str], tokens: int, now: float) -> str:
@@ -322,9 +325,11 @@ class Machine:
             scheduler = self._scheduler
             inflight = fleet_inflight if fleet_inflight is not None else scheduler.total_inflight
             # Held back: requests wait for want of a slot now, or one was refused for want of one
-            # within the limit's interval (a queue full, a deadline out of reach behind it).
-            away = scheduler.turned_away_at
-            held = scheduler.held_back or (away is not None and now - away <= self.auto.auto.interval)
+            # (a queue full, a deadline out of reach behind it) since the limit last moved and
+            # within its interval: a refusal at the limit before says nothing of this one.
+            away, auto = scheduler.turned_away_at, self.auto
+            held = scheduler.held_back or (away is not None and away > auto.since
+                                           and now - away <= auto.auto.interval)
             move = self.auto.update(readings, inflight, held, now)
             if move is not None and not self.fleet_managed:
                 decisions.extend(self.set_limit(move.limit, now))

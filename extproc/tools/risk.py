@@ -315,7 +315,8 @@ def _auto(old: AutoCapacity, new: AutoCapacity) -> Iterator[Risk]:
         was, now = getattr(old.signals, key), getattr(new.signals, key)
         if now is not None and now != was:
             what = {"running": "a starting limit begins from what it reads",
-                    "kv_cache": "a starting limit grows no further than where it says the cache fills"}.get(
+                    "kv_cache": "a starting limit grows no further than where it says the cache fills, "
+                                "and no limit grows while it says the cache is 90 % full"}.get(
                 key, "the limit now falls on what it reads")
             yield Risk(f"{at}.signals.{key}", f"{at}.signals.{key} {_v(was)} → {now}: {what}")
     if new.cooldown < old.cooldown:

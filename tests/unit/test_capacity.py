@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.core.capacity import AutoLimit, size
+from extproc.core.decision import Reason
 from extproc.core.machine import Machine
 from extproc.core.saturation import Reading
 from extproc.policy import PolicyError, parse_policy
@@ -614,15 +615,51 @@ def test_a_start_doubles_on_a_reading_after_requests_were_refused_for_want_of_a_
         assert not gate._scheduler.held_back  # nothing waits
         return gate
 
-    gate = refused_at(0.5)
+    gate = refused_at(0.9)
     result = gate.on_signals(engines(1, 3), 1)
     assert result.move is not None
     assert (result.move.previous, result.move.limit, result.move.reason) == (4, 8, "headroom")
+    # A refusal at the limit before (4) says nothing of this one (8): six in flight, nothing refused
+    # since, no doubling on the next fresh reading, though the old refusal is within the interval.
+    for _ in range(3):
+        assert gate.submit("interactive", "t", job(), 1.2).decision.outcome.value == "admitted"
+    assert gate.on_signals(engines(1.5, 6), 1.5).move is None
+    assert gate.policy.total_capacity == 8
+    # One refused at this limit does: the next fresh reading doubles it.
+    assert gate.submit("interactive", "t", job(), 1.6).decision.outcome.value == "rejected"
+    result = gate.on_signals(engines(1.8, 6), 1.8)
+    assert result.move is not None
+    assert (result.move.previous, result.move.limit) == (8, 16)
     # The same refusal 2.5 s before the reading (the interval is 2 s): nothing says slots are
     # wanted now, and three of four in flight is no pressure alone.
     gate = refused_at(0.5)
     assert gate.on_signals(engines(3, 3), 3).move is None
     assert gate.policy.total_capacity == 4
+
+
+def test_a_refusal_at_the_edge_for_want_of_a_slot_is_noted_too() -> None:
+    """A lane without a queue is refused at the edge (the rate limit service) once its slots are taken,
+    before the scheduler sees the request: that refusal counts as held work for the limit too. A refusal
+    at the edge for another reason (a lane closed) does not."""
+    data = running_policy(start=4).model_dump()
+    data["lanes"][1].update(max_queued=0, borrow=False, max_borrow=None)  # batch: no queue, no borrowing
+    gate = Machine(Policy.model_validate(data))
+    gate.on_signals(engines(0, 0), 0)
+    config = gate.policy.ratelimit
+    entries = {"generic_key": config.request_descriptor,
+               **gate.intake.descriptor("POST", "/v1/completions", {})}
+    assert gate.submit("batch", "t", job(), 0.5).decision.outcome.value == "admitted"  # its one slot
+    for _ in range(2):
+        assert gate.submit("interactive", "t", job(), 0.5).decision.outcome.value == "admitted"
+    judgement = gate.judge(config, entries, 1, 0.6)
+    assert judgement.lane == "batch"
+    assert judgement.reason is Reason.QUEUE_FULL
+    assert gate._scheduler.turned_away_at is None  # judged, not yet answered
+    gate.shed([judgement], 0.6)
+    assert gate._scheduler.turned_away_at == 0.6
+    result = gate.on_signals(engines(1, 3), 1)
+    assert result.move is not None
+    assert (result.move.previous, result.move.limit) == (4, 8)
 
 
 def test_at_a_few_slots_per_lane_a_lane_held_at_its_share_is_pressure_enough() -> None:
@@ -736,6 +773,32 @@ def test_a_start_goes_on_through_a_cheap_queue_while_what_runs_still_rises() -> 
     assert costly.limit == 21  # +5 %: no doubling after it
 
 
+def test_a_reload_that_changes_the_signals_forgets_their_last_readings() -> None:
+    """The start's "what runs rose by half of what waited" compares a reading with the last one: after
+    a reload that reads other signals, the last one says nothing, and a large queue at the next
+    reading ends the start as it would without a previous reading."""
+    def started() -> AutoLimit:
+        a = auto_of(running_policy(start=16))
+        assert a.update(engines(0, 16, ttft=0.3), 16, True, 0) is not None
+        assert a.limit == 32
+        return a
+
+    same = started()  # a reload with the same signals: the rise from 16 to 20 counts
+    p = running_policy(start=16)
+    assert p.capacity.auto is not None
+    same.reconfigure(p.capacity.auto, p.signals, 0.5)
+    move = same.update(engines(1, 20, waiting=12, ttft=0.3), 32, True, 1)
+    assert move is not None
+    assert (move.limit, move.reason) == (64, "headroom")
+    other = started()
+    changed = p.capacity.auto.model_copy(update={"signals": p.capacity.auto.signals.model_copy(
+        update={"tpot_p95": None})})
+    other.reconfigure(changed, p.signals, 0.5)
+    move = other.update(engines(1, 20, waiting=12, ttft=0.3), 32, True, 1)
+    assert move is not None
+    assert (move.limit, move.reason) == (25, "engine_queue")  # a quarter over the 20 they run
+
+
 def test_a_latency_cut_during_the_start_pauses_it_for_the_window_then_it_doubles_on() -> None:
     a = auto_of(running_policy(start=64, cooldown="2s"))
     a.update(engines(0, 64), 64, True, 0)
@@ -805,7 +868,8 @@ def test_a_start_doubles_no_further_than_the_kv_cache_holds_and_goes_on() -> Non
         assert b.update({**engines(1, 15), **reading}, 15, True, 1) is not None
         assert b.limit == 32
     # A usage past full (a percentage where a fraction belongs) only slows the start to the ordinary
-    # step: it never stops it or moves the limit down.
+    # step: it never stops it or moves the limit down (nor does it stop a limit out of the start, as
+    # a cache 90 % full does: a misread metric must not hold the limit where it is for good).
     for usage in (75.0, 1.5):
         c = auto_of(kv_policy(start=16))
         c.update(engines(0, 0), 0, False, 0)
@@ -813,6 +877,9 @@ def test_a_start_doubles_no_further_than_the_kv_cache_holds_and_goes_on() -> Non
         assert c.limit == 17
         assert c.update({**engines(2, 16), "kv": Reading(0.2, 2)}, 17, True, 2) is not None
         assert c.limit == 34
+        c._slow_start = False  # (as after a fall)
+        assert c.update({**engines(4, 34), "kv": Reading(usage, 4)}, 34, True, 4) is not None
+        assert c.limit > 34
 
 
 def test_out_of_the_start_the_kv_cache_caps_no_growth_but_a_full_one_stops_it() -> None:

@@ -339,7 +339,8 @@ CASES = [
     Case("capacity.auto.signals.kv_cache", both(put("capacity.auto.signals.kv_cache", "kv"),
                                                 put("capacity.auto.signals.running", "queue")),
          "capacity.auto.signals.kv_cache",
-         "unset → kv: a starting limit grows no further than where it says the cache fills", auto),
+         "unset → kv: a starting limit grows no further than where it says the cache fills, and no limit "
+         "grows while it says the cache is 90 % full", auto),
     Case("capacity.auto.signals.ttft_p95", put("capacity.auto.signals.ttft_p95", "kv"),
          "capacity.auto.signals.ttft_p95", "ttft → kv", auto),
     Case("capacity.auto.signals.tpot_p95", put("capacity.auto.signals.tpot_p95", "ttft"),
