@@ -27,29 +27,29 @@ p95, the requests the engines run, and their KV-cache usage.
 * **Grow carefully.** Only while every fresh signal has headroom (no engine queue beyond the target,
   latencies below 90 % of their targets, a KV cache under 90 % full) *and* the limit is what holds
   traffic back (in flight ≥ 90 % of the limit, or ≥ 75 % while requests wait in extproc's queues for
-  want of a slot (or were refused for want of one within the interval), or within one slot per lane
-  of it: at a limit of a few slots per lane, every lane sized at least one, a lane at its share
-  holds work back long before 75 % are in flight): a limit far above what runs is not grown further
-  (it would only let a burst flood the engines). Until the engines first queue it doubles (a slow
-  start, as TCP's: from ``min`` to hundreds in seconds), on every fresh reading while requests are
-  held back rather than once per interval; a few requests waiting while what the engines run still
-  rises (a burst's prefills) do not stop it, nor does a larger queue at a TTFT p95 under half its
-  target while what runs rises by at least half of what waited at the last reading (an engine that
-  takes new requests in only at join points, every so many steps, holds a doubling's burst until the
-  next; a queue that stays while what runs creeps up is the start's overshoot building up, and ends
-  it); a few that stay are trimmed without ending it, and a latency percentile over target only
-  pauses it for the percentile's window (it is mostly the burst of held requests the last doubling
-  let in). With the engines' KV-cache usage (the ``kv_cache`` role) a growth goes no further than
-  where the cache would be 90 % full at what the running requests use of it now (+5 % once there):
-  an engine bound by its cache shows no queue and a low TTFT right up to the moment its sequences
-  outgrow it, so a doubling past that point (128 → 256 live on the 70B profile, whose best static
-  limit is 96) showed only later, as a queue the admitted excess waited in. A queue the engines
-  cannot clear (four times the target) ends it (unless, as above, they are taking it in), and where
-  they had too many is then what they ran, not the doubling's overshoot. After that, as TCP CUBIC:
-  quickly (+5 %, doubling per growth up to +25 %) back up to 95 % of where the last fall began, then
-  +1 % (at least one slot) per interval through ±5 % of it, and past that, where nothing said "too
-  many" yet, quickly again. A limit that nothing presses against never drifts up; the saw-tooth of a
-  plain additive increase is damped where it used to break.
+  want of a slot (or were refused for want of one since it last moved, within the interval), or
+  within one slot per lane of it: at a limit of a few slots per lane, every lane sized at least one,
+  a lane at its share holds work back long before 75 % are in flight): a limit far above what runs
+  is not grown further (it would only let a burst flood the engines). Until the engines first queue
+  it doubles (a slow start, as TCP's: from ``min`` to hundreds in seconds), on every fresh reading
+  while requests are held back rather than once per interval; a few requests waiting while what the
+  engines run still rises (a burst's prefills) do not stop it, nor does a larger queue at a TTFT p95
+  under half its target while what runs rises by at least half of what waited at the last reading
+  (an engine that takes new requests in only at join points, every so many steps, holds a doubling's
+  burst until the next; a queue that stays while what runs creeps up is the start's overshoot
+  building up, and ends it); a few that stay are trimmed without ending it, and a latency percentile
+  over target only pauses it for the percentile's window (it is mostly the burst of held requests
+  the last doubling let in). With the engines' KV-cache usage (the ``kv_cache`` role) a growth goes
+  no further than where the cache would be 90 % full at what the running requests use of it now
+  (+5 % once there): an engine bound by its cache shows no queue and a low TTFT right up to the
+  moment its sequences outgrow it, so a doubling past that point (128 → 256 live on the 70B profile,
+  whose best static limit is 96) showed only later, as a queue the admitted excess waited in. A
+  queue the engines cannot clear (four times the target) ends it (unless, as above, they are taking
+  it in), and where they had too many is then what they ran, not the doubling's overshoot. After
+  that, as TCP CUBIC: quickly (+5 %, doubling per growth up to +25 %) back up to 95 % of where the
+  last fall began, then +1 % (at least one slot) per interval through ±5 % of it, and past that,
+  where nothing said "too many" yet, quickly again. A limit that nothing presses against never
+  drifts up; the saw-tooth of a plain additive increase is damped where it used to break.
 * **Stale or missing signals.** With no fresh signal the last limit holds for ``stale_hold``,
   then decays by 10 % per interval to ``min``; the state says so.
 * **Unreachable targets** (a TPOT of 1 ms): the limit stops at ``min`` and the state says the
@@ -228,8 +228,9 @@ class AutoLimit:
         ``inflight``: requests running under this limit (fleet-wide with a shared store);
         ``held``: requests wait in extproc's queues only for want of a slot (a lane at its share of
         the limit, or the fleet at the limit: ``Scheduler.held_back``), or one was refused for want of
-        a slot within the interval (``Scheduler.turned_away_at``: a queue full, or a deadline out of
-        reach behind the slots; at a small limit the interactive lane's requests are refused so).
+        a slot since the limit last moved, within the interval (``Scheduler.turned_away_at``: a queue
+        full, or a deadline out of reach behind the slots; at a small limit the interactive lane's
+        requests are refused so). ``Machine.on_signals`` works that out.
         """
         # A start moves on every fresh reading while requests are held back, not once per interval:
         # each second at a small limit refuses what a static limit would run.
