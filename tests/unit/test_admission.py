@@ -714,3 +714,11 @@ def test_a_refusal_for_want_of_a_slot_is_noted_for_the_self_sizing_limit() -> No
     s.apply_saturation({"b": Effect(signal="kv", shed_by="kv-high")}, 5.0)
     assert submit(s, "b", 5.0).reason is Reason.SATURATED
     assert s.turned_away_at == 3.0
+    # Shrunk by a saturation rule and full: refused as its queue full, but the engines said so, not the
+    # limit (the same reason that is noted above, so only the lane's state tells them apart).
+    s.apply_saturation({"a": Effect(signal="kv", factor=0.5, shrunk_by="kv-high")}, 6.0)
+    assert submit(s, "a", 6.0).reason is Reason.QUEUE_FULL
+    assert s.turned_away_at == 3.0
+    s.apply_saturation({}, 7.0)
+    assert submit(s, "a", 7.0).reason is Reason.QUEUE_FULL
+    assert s.turned_away_at == 7.0
