@@ -12,6 +12,11 @@
    `extproc demo` run recorded in bench/results/demo.json (same seed, load, duration).
 5. A real trace: the README's `extproc simulate --trace bench/data/azure-2023-conv.csv --load 1.5`
    commands, run as written, with the demo policy and with the self-sizing one (TRACES).
+6. The self-sizing limit's live runs, simulated: each profile bench/adaptive.py ran live (recorded in
+   bench/results/adaptive.json), the same requests (its seeds and more, its seconds of arrivals,
+   its time scale) through the simulator, auto against the same best static limit. A live ratio
+   moves from run to run; this one does not, and it says whether a live shortfall is the limit's
+   (the simulator shows it too) or the run's noise (LIVE_SEEDS).
 
     .venv/bin/python bench/simulate_claims.py [--quick]
 
@@ -42,6 +47,9 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 PROFILE = get_profile("llama-70b-2xh100")
 TIME_SCALE = 0.1
+#: Seeds of each live profile's simulated twin (claim 6 in the docstring): the live runs' seeds
+#: (1, 2, 3 by default) and more.
+LIVE_SEEDS = 8
 #: Trace replays: results name → the `extproc simulate` arguments (run from the checkout's root) that
 #: write it with --json and --plot.
 TRACES: dict[str, tuple[str, ...]] = {
@@ -191,6 +199,50 @@ def fidelity() -> dict[str, Any] | None:
     return out
 
 
+def adaptive_live_in_sim(seeds: int = LIVE_SEEDS) -> dict[str, Any] | None:
+    """Each live profile of bench/results/adaptive.json run again in the simulator (claim 6): per seed,
+    auto's goodput over the best static limit's on the same requests (``ratios``; ``ratio`` their
+    median, ``live_ratio`` the live runs'), and the interactive lane's first attempts refused and
+    served late (summed over the seeds, as adaptive.json sums its runs)."""
+    path = RESULTS / "adaptive.json"
+    if not path.exists():
+        return None
+    import adaptive  # bench/adaptive.py: the live runs' workload, limits and counts, one definition
+
+    policy = load_policy(adaptive.AUTO)
+    out: dict[str, Any] = {}
+    for live in json.loads(path.read_text())["profiles"]:
+        if live["mode"] != "live":
+            continue
+        name, time_scale, seconds = live["name"], live["time_scale"], live["duration_s"]
+        best, ran = live["best_static"], {run["seed"] for run in live["runs"]}
+        ratios: list[float | None] = []
+        counts = {key: {"auto": 0, "best_static": 0} for key in ("interactive_refused", "interactive_late")}
+        for seed in range(adaptive.SEED, adaptive.SEED + seeds):
+            spec, requests = adaptive.workload("chatbot", name, time_scale, seconds, seed=seed)
+            recorded = next((run for run in live["runs"] if run["seed"] == seed), None)
+            assert recorded is None or recorded["requests"] == len(requests), \
+                f"{name}'s workload changed since adaptive.json was recorded"
+            sim = Simulator(get_profile(name), time_scale=time_scale, client=spec.client, seed=seed)
+            runs = {"auto": sim.run(requests, policy).results,
+                    "best_static": sim.run(requests, adaptive.static(policy, best)).results}
+            goodputs = {who: adaptive.goodput(results, spec, seconds) for who, results in runs.items()}
+            base = goodputs["best_static"]
+            ratios.append(round(goodputs["auto"] / base, 3) if base else None)
+            for who, results in runs.items():
+                counts["interactive_refused"][who] += adaptive.interactive_refused(results)
+                counts["interactive_late"][who] += adaptive.interactive_late(results, spec)
+        known = [r for r in ratios if r is not None]
+        out[name] = {"time_scale": time_scale, "duration_s": seconds, "best_static": best,
+                     "seeds": list(range(adaptive.SEED, adaptive.SEED + seeds)), "ratios": ratios,
+                     "ratio": adaptive.median(known) if known else None,
+                     "ratio_live_seeds": adaptive.median(first) if (first := [
+                         r for seed, r in enumerate(ratios, adaptive.SEED) if r is not None and seed in ran
+                     ]) else None,
+                     "live_ratio": live["ratio"], "live_ratios": live["ratios"], **counts}
+    return out
+
+
 def trace_replays() -> None:
     """Each of TRACES as its command line says, writing its JSON and PNG."""
     for name, arguments in TRACES.items():
@@ -222,6 +274,7 @@ def main() -> int:
         "overload": overload(duration, args.seed, loads),
         "speed": speed(args.seed),
         "fidelity_vs_live_demo": fidelity(),
+        "adaptive_live_in_sim": adaptive_live_in_sim(),
     }
     doc["elapsed_s"] = round(time.monotonic() - started, 1)
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -261,6 +314,13 @@ def _report(doc: dict[str, Any]) -> None:
             ratio = "-" if v["ratio"] is None else f"{v['ratio']:.2f}"
             sim, live = fmt_seconds(v["simulated"]), fmt_seconds(v["live"])
             print(f"  {key:<48} sim {sim}  live {live}  ratio {ratio}")
+    if doc["adaptive_live_in_sim"]:
+        print("self-sizing limit's live runs, simulated (auto / best static goodput, median; live):")
+        for name, v in doc["adaptive_live_in_sim"].items():
+            refused = v["interactive_refused"]
+            print(f"  {name:<20} sim {v['ratio']} over {len(v['seeds'])} seeds ({v['ratio_live_seeds']} "
+                  f"over the live runs' seeds)  live {v['live_ratio']}  interactive refused "
+                  f"{refused['auto']}/{refused['best_static']}")
 
 
 def _plot(doc: dict[str, Any], path: Path) -> None:
