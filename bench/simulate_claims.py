@@ -18,7 +18,7 @@
    moves from run to run; this one does not, and it says whether a live shortfall is the limit's
    (the simulator shows it too) or the run's noise (LIVE_SEEDS).
 
-    .venv/bin/python bench/simulate_claims.py [--quick]
+    .venv/bin/python bench/simulate_claims.py [--quick] [--live-only]
 
 Writes bench/results/simulate_claims.json and .png, and each trace replay's JSON and PNG
 (bench/results/trace_azure.json, trace_azure_auto.json). `make claims` runs it (about two minutes),
@@ -258,7 +258,13 @@ def main() -> int:
     )
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--live-only", action="store_true",
+                        help="run claim 6 alone (about 30 s) and print it; write nothing (a quick check of a "
+                             "change to the self-sizing limit against the live runs' requests)")
     args = parser.parse_args()
+    if args.live_only:
+        _report_live(adaptive_live_in_sim())
+        return 0
     duration = 120.0 if args.quick else 600.0
     loads = [0.7, 1.0, 1.5, 2.0]
     started = time.monotonic()
@@ -314,13 +320,18 @@ def _report(doc: dict[str, Any]) -> None:
             ratio = "-" if v["ratio"] is None else f"{v['ratio']:.2f}"
             sim, live = fmt_seconds(v["simulated"]), fmt_seconds(v["live"])
             print(f"  {key:<48} sim {sim}  live {live}  ratio {ratio}")
-    if doc["adaptive_live_in_sim"]:
-        print("self-sizing limit's live runs, simulated (auto / best static goodput, median; live):")
-        for name, v in doc["adaptive_live_in_sim"].items():
-            refused = v["interactive_refused"]
-            print(f"  {name:<20} sim {v['ratio']} over {len(v['seeds'])} seeds ({v['ratio_live_seeds']} "
-                  f"over the live runs' seeds)  live {v['live_ratio']}  interactive refused "
-                  f"{refused['auto']}/{refused['best_static']}")
+    _report_live(doc["adaptive_live_in_sim"])
+
+
+def _report_live(twin: dict[str, Any] | None) -> None:
+    if not twin:
+        return
+    print("self-sizing limit's live runs, simulated (auto / best static goodput, median; live):")
+    for name, v in twin.items():
+        refused, late = v["interactive_refused"], v["interactive_late"]
+        print(f"  {name:<20} sim {v['ratio']} over {len(v['seeds'])} seeds ({v['ratio_live_seeds']} "
+              f"over the live runs' seeds)  live {v['live_ratio']}  interactive refused "
+              f"{refused['auto']}/{refused['best_static']}, late {late['auto']}/{late['best_static']}")
 
 
 def _plot(doc: dict[str, Any], path: Path) -> None:
