@@ -426,14 +426,22 @@ def live_seed(name: str, time_scale: float, seconds: float, static_file: Path, b
     print(f"live {name} seed {seed}: auto", file=sys.stderr)
     auto_results, limits = live_run(AUTO, name, time_scale, requests, spec, workdir / f"{name}-{seed}-auto",
                                     drain, seed=seed)
-    g_static, g_auto = goodput(static_results, spec, seconds), goodput(auto_results, spec, seconds)
-    return {"seed": seed, "requests": len(requests), "best_static_goodput": round(g_static, 3),
-            "auto_goodput": round(g_auto, 3), "ratio": round(g_auto / g_static, 3) if g_static else None,
-            "interactive_refused": {"auto": interactive_refused(auto_results),
-                                    "best_static": interactive_refused(static_results)},
-            "interactive_late": {"auto": interactive_late(auto_results, spec),
-                                 "best_static": interactive_late(static_results, spec)},
+    return {"seed": seed, "requests": len(requests), **versus(auto_results, static_results, spec, seconds),
             "auto_limit_last": limits[-1][1] if limits else None}
+
+
+def versus(auto: list[Result], best_static: list[Result], spec: WorkloadSpec, seconds: float
+           ) -> dict[str, Any]:
+    """One seed's auto against the best static limit on the same requests: goodputs, their ratio, and the
+    interactive lane's first attempts refused and served late (the live runs, and their simulated twin
+    in bench/simulate_claims.py)."""
+    g_static, g_auto = goodput(best_static, spec, seconds), goodput(auto, spec, seconds)
+    return {"best_static_goodput": round(g_static, 3), "auto_goodput": round(g_auto, 3),
+            "ratio": round(g_auto / g_static, 3) if g_static else None,
+            "interactive_refused": {"auto": interactive_refused(auto),
+                                    "best_static": interactive_refused(best_static)},
+            "interactive_late": {"auto": interactive_late(auto, spec),
+                                 "best_static": interactive_late(best_static, spec)}}
 
 
 def median(values: list[float]) -> float | None:

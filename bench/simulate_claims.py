@@ -216,30 +216,26 @@ def adaptive_live_in_sim(seeds: int = LIVE_SEEDS) -> dict[str, Any] | None:
             continue
         name, time_scale, seconds = live["name"], live["time_scale"], live["duration_s"]
         best, ran = live["best_static"], {run["seed"] for run in live["runs"]}
-        ratios: list[float | None] = []
-        counts = {key: {"auto": 0, "best_static": 0} for key in ("interactive_refused", "interactive_late")}
+        each = []
         for seed in range(adaptive.SEED, adaptive.SEED + seeds):
             spec, requests = adaptive.workload("chatbot", name, time_scale, seconds, seed=seed)
             recorded = next((run for run in live["runs"] if run["seed"] == seed), None)
             assert recorded is None or recorded["requests"] == len(requests), \
                 f"{name}'s workload changed since adaptive.json was recorded"
             sim = Simulator(get_profile(name), time_scale=time_scale, client=spec.client, seed=seed)
-            runs = {"auto": sim.run(requests, policy).results,
-                    "best_static": sim.run(requests, adaptive.static(policy, best)).results}
-            goodputs = {who: adaptive.goodput(results, spec, seconds) for who, results in runs.items()}
-            base = goodputs["best_static"]
-            ratios.append(round(goodputs["auto"] / base, 3) if base else None)
-            for who, results in runs.items():
-                counts["interactive_refused"][who] += adaptive.interactive_refused(results)
-                counts["interactive_late"][who] += adaptive.interactive_late(results, spec)
-        known = [r for r in ratios if r is not None]
+            auto = sim.run(requests, policy).results
+            fixed = sim.run(requests, adaptive.static(policy, best)).results
+            each.append({"seed": seed, **adaptive.versus(auto, fixed, spec, seconds)})
+        ratios = [run["ratio"] for run in each]
+        known = [run["ratio"] for run in each if run["ratio"] is not None]
+        on_live_seeds = [run["ratio"] for run in each if run["ratio"] is not None and run["seed"] in ran]
         out[name] = {"time_scale": time_scale, "duration_s": seconds, "best_static": best,
-                     "seeds": list(range(adaptive.SEED, adaptive.SEED + seeds)), "ratios": ratios,
+                     "seeds": [run["seed"] for run in each], "ratios": ratios,
                      "ratio": adaptive.median(known) if known else None,
-                     "ratio_live_seeds": adaptive.median(first) if (first := [
-                         r for seed, r in enumerate(ratios, adaptive.SEED) if r is not None and seed in ran
-                     ]) else None,
-                     "live_ratio": live["ratio"], "live_ratios": live["ratios"], **counts}
+                     "ratio_live_seeds": adaptive.median(on_live_seeds) if on_live_seeds else None,
+                     "live_ratio": live["ratio"], "live_ratios": live["ratios"],
+                     **{key: {who: sum(run[key][who] for run in each) for who in ("auto", "best_static")}
+                        for key in ("interactive_refused", "interactive_late")}}
     return out
 
 
