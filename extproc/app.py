@@ -81,6 +81,7 @@ class App:
                                                   budgets=budgets, edge_rng=rng)
         registry.register(SaturationCollector(controller.machine.saturation, controller.now))
         self.hub = SignalHub(policy.signals, registry, controller.now, controller.on_signals)
+        controller.want_reading = self.hub.hurry
         self.policy_file = PolicyFile(settings.policy, policy, controller.reconfigure,
                                       on_result=self._reloaded)
         metrics.policy_loaded.set(self.policy_file.loaded_at)

@@ -55,6 +55,9 @@ class Controller:
         self.recent = Recent()
         #: Called after every policy swap.
         self.on_reconfigure: list[Callable[[Policy], None]] = []
+        #: Called with the sources that feed the self-sized limit when it wants a reading soon
+        #: (``Machine.reading_wanted``): the signal hub reads them again (``SignalHub.hurry``).
+        self.want_reading: Callable[[frozenset[str]], None] | None = None
         #: The shared slot ledger when several replicas enforce one set of limits (None: alone).
         self.ledger = ledger
         #: The client of the shared store (None: alone): the ledger's, and the fleet's budgets'.
@@ -154,6 +157,7 @@ class Controller:
         if self.fleet is not None and self.ledger is not None and self.machine.auto is not None:
             self.fleet.wake.set()  # the leader's proposal goes to the store, the fleet limit comes back
         self._capacity_changed()
+        self._reading_wanted(now)  # (still held back at a few slots per lane: the next round soon)
 
     def _capacity_changed(self) -> None:
         auto = self.machine.auto
@@ -176,15 +180,10 @@ class Controller:
 
     def _capacity_sources(self) -> None:
         """Which signal sources feed the self-sized limit (after every policy swap)."""
-        metrics, base = self.metrics, self.machine.base
+        metrics = self.metrics
         metrics.capacity_sources.clear()
-        auto = base.capacity.auto
-        if auto is None:
-            return
-        for name in auto.signals.model_dump().values():
-            signal = base.signals.read.get(name) if name else None
-            if signal is not None:
-                metrics.capacity_sources.labels(signal.source).set(1)
+        for source in self.machine.base.capacity_sources:
+            metrics.capacity_sources.labels(source).set(1)
 
     def _limits_changed(self) -> None:
         if self.fleet is not None:
@@ -218,7 +217,8 @@ class Controller:
 
     def submit(self, lane: str, tenant: str, job: Job, *, retry: bool = False) -> Decision:
         """Decide a new request; ``retry``: its client says it is a retry (it spends retry budget)."""
-        submitted = self.machine.submit(lane, tenant, job, self.now(), retry=retry)
+        now = self.now()
+        submitted = self.machine.submit(lane, tenant, job, now, retry=retry)
         metrics = self.metrics
         metrics.tenant_requests_of(metrics.tenant(tenant)).inc()
         if submitted.budget_shadow:
@@ -229,6 +229,8 @@ class Controller:
             self._waiters[decision.ticket.id] = asyncio.get_running_loop().create_future()
             self._wake.set()
         self._settle(submitted.evicted)  # (and the idle state: something is queued or running now)
+        if decision.outcome is not Outcome.ADMITTED:
+            self._reading_wanted(now)
         return decision
 
     def refused(self, lane: str, reason: Reason, tenant: str | None) -> None:
@@ -238,7 +240,14 @@ class Controller:
         metrics = self.metrics
         metrics.tenant_requests_of(metrics.tenant(tenant)).inc()
         metrics.refused(lane, reason.value, tenant)
-        self.recent.add(lane, REJECT, self.now())
+        now = self.now()
+        self.recent.add(lane, REJECT, now)
+        self._reading_wanted(now)
+
+    def _reading_wanted(self, now: float) -> None:
+        """A request held or refused: a self-sized limit in its start may want a reading soon."""
+        if self.want_reading is not None and self.machine.reading_wanted(now):
+            self.want_reading(self.machine.base.capacity_sources)
 
     def permit_retry(self) -> bool:
         """A rejection may tell its client to retry: reserve that retry in the budget, if there is room."""

@@ -32,7 +32,9 @@ p95, the requests the engines run, and their KV-cache usage.
   a lane at its share holds work back long before 75 % are in flight): a limit far above what runs
   is not grown further (it would only let a burst flood the engines). Until the engines first queue
   it doubles (a slow start, as TCP's: from ``min`` to hundreds in seconds), on every fresh reading
-  while requests are held back rather than once per interval; a few requests waiting while what the
+  while requests are held back rather than once per interval (under four slots per lane it wants
+  that reading a quarter of the signals' interval after the last: ``reading_soon``, which a scrape
+  source answers by reading its targets again then); a few requests waiting while what the
   engines run still rises (a burst's prefills) do not stop it, nor does a larger queue at a TTFT p95
   under half its target while what runs rises by at least half of what waited at the last reading
   (an engine that takes new requests in only at join points, every so many steps, holds a doubling's
@@ -114,6 +116,13 @@ _QUEUE_TTFT = 0.5
 #: rose, since the last reading, by at least this share of what waited then (and it costs no first
 #: token): the engines are taking the queue in, at a join point, not out of room.
 _QUEUE_TAKEN = 0.5
+#: A start under this many slots per lane wants its next reading after this share of the signals'
+#: interval, not the whole of it, while requests are held back (reading_soon): at a few slots per
+#: lane the interactive lane refuses requests (its queue past its deadline) within a fraction of a
+#: second, before a reading every second could double the limit (70B, twice its capacity: nine
+#: refused in the first second, at 4). Only there: a start's doublings further up overshot when
+#: read that often (what the engines run has not yet taken in the last doubling's burst).
+_SOON_SLOTS, READ_SOON = 4, 0.25
 
 Reason = Literal["start", "running", "engine_queue", "ttft", "tpot", "headroom", "stale", "reload"]
 Role = Literal["waiting", "running", "ttft_p95", "tpot_p95", "kv_cache"]
@@ -217,6 +226,12 @@ class AutoLimit:
         if int(value) != self.limit:
             self.starting = False  # (the store answering with this replica's own proposal is no news)
         self._value = value
+
+    @property
+    def reading_soon(self) -> bool:
+        """Whether the next reading is wanted after ``READ_SOON`` of the signals' interval while
+        requests are held back: a start still under ``_SOON_SLOTS`` slots per lane."""
+        return self._slow_start and self._value < _SOON_SLOTS * self.lanes
 
     def state(self) -> AutoState:
         return AutoState(self.limit, self.auto.min, self.auto.max, self.auto.shadow, self._reason, self._why,
@@ -422,12 +437,17 @@ class AutoLimit:
 
     def _seed(self, fresh: Mapping[Role, float], now: float) -> Move | None:
         """The first fresh reading of what the engines run (the ``running`` role), while the limit is
-        still its starting value: start from it. Engines that queue beyond the target run all they can
-        at once: the limit is what runs (and the engines said "too many" there). Engines with room run
-        at least that: the limit is at least what runs, and grows from there."""
+        still its starting value: start from it. Engines that queue beyond the target (more than a few,
+        or at a TTFT that shows it) run all they can at once: the limit is what runs (and the engines
+        said "too many" there). Engines with room run at least that: the limit is at least what runs,
+        and grows from there."""
         auto, before = self.auto, self.limit
         running, waiting = fresh["running"], fresh.get("waiting")
-        queueing = waiting is not None and waiting > auto.target.queue
+        # A few waiting at a TTFT p95 under half its target are no queue (as in _queue_seen): an
+        # engine that takes new requests in every few steps shows some with slots free, and taking
+        # them for a full engine made what ran then (two sequences) the limit's ceiling for good.
+        queueing = waiting is not None and waiting > auto.target.queue and not (
+            waiting <= _CLEAR_QUEUE * (auto.target.queue + 1) and self._queue_is_cheap(fresh))
         value = min(max(running if queueing else max(running, self._value), float(auto.min)), float(auto.max))
         self._value = value
         if queueing:

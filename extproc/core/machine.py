@@ -324,16 +324,26 @@ class Machine:
         if self.auto is not None and self._agreed:
             scheduler = self._scheduler
             inflight = fleet_inflight if fleet_inflight is not None else scheduler.total_inflight
-            # Held back: requests wait for want of a slot now, or one was refused for want of one
-            # (a queue full, a deadline out of reach behind it) since the limit last moved and
-            # within its interval: a refusal at the limit before says nothing of this one.
-            away, auto = scheduler.turned_away_at, self.auto
-            held = scheduler.held_back or (away is not None and away > auto.since
-                                           and now - away <= auto.auto.interval)
-            move = self.auto.update(readings, inflight, held, now)
+            move = self.auto.update(readings, inflight, self._held(self.auto, now), now)
             if move is not None and not self.fleet_managed:
                 decisions.extend(self.set_limit(move.limit, now))
         return Signalled(changes, decisions, move)
+
+    def reading_wanted(self, now: float) -> bool:
+        """Whether the self-sized limit wants its next signal reading soon (``AutoLimit.reading_soon``,
+        while requests are held back for want of a slot): a scrape source then reads its targets
+        again after a quarter of its interval. Cheap: asked after every request held or refused."""
+        auto = self.auto
+        return auto is not None and auto.reading_soon and self._agreed and self._held(auto, now)
+
+    def _held(self, auto: AutoLimit, now: float) -> bool:
+        # Held back: requests wait for want of a slot now, or one was refused for want of one (a
+        # queue full, a deadline out of reach behind it) since the limit last moved and within its
+        # interval: a refusal at the limit before says nothing of this one.
+        scheduler = self._scheduler
+        away = scheduler.turned_away_at
+        return scheduler.held_back or (away is not None and away > auto.since
+                                       and now - away <= auto.auto.interval)
 
     def _apply_effects(self, now: float) -> list[Decision]:
         saturation = self.saturation

@@ -458,6 +458,16 @@ class Policy(_Strict):
         return self.capacity.max_inflight == "auto"
 
     @property
+    def capacity_sources(self) -> frozenset[str]:
+        """The signal sources that feed the self-sized limit (``capacity.auto.signals``; none without)."""
+        auto = self.capacity.auto
+        if auto is None:
+            return frozenset()
+        read = self.signals.read
+        return frozenset(signal.source for name in auto.signals.model_dump().values()
+                         if name and (signal := read.get(name)) is not None)
+
+    @property
     def needs_body(self) -> bool:
         """Whether requests' JSON bodies should be read (model, max_tokens, prompt size).
 

@@ -15,7 +15,8 @@ called with all readings and the time, which is where the caller updates
 Nothing raises out of a task: a source that is down, slow or answering nonsense is an
 error kind in a counter and a log line on the transition (not one per poll), never a
 crash. Rounds start on a fixed cadence; a round that takes longer delays the next one
-instead of overlapping it.
+instead of overlapping it. ``hurry`` brings a scrape source's next round forward to a quarter of
+its interval after the last began (the self-sized limit's start wants readings that often).
 
 Its metrics (``metrics.SignalMetrics``) are computed when scraped, from the readings and the
 clock, so an age keeps growing while a source is down and a removed signal disappears at once.
@@ -26,13 +27,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import aiohttp
 import structlog
 from prometheus_client import CollectorRegistry
 
+from extproc.core.capacity import READ_SOON
 from extproc.core.saturation import Reading, is_stale
 from extproc.metrics import SignalMetrics
 from extproc.policy.signals import Signal, Signals, Source
@@ -70,6 +72,8 @@ class SignalHub:
         self._target_up: dict[tuple[str, str], bool] = {}
         self._windows: dict[str, scrape.HistogramWindow] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        #: Per polling source: set to end its wait early (``hurry``).
+        self._soon: dict[str, asyncio.Event] = {}
         self._retired: set[asyncio.Task[None]] = set()
         self._session: aiohttp.ClientSession | None = None
         self._errors = SignalMetrics(registry, self.status, self.targets).errors
@@ -130,6 +134,16 @@ class SignalHub:
                 if name not in self._tasks:
                     self._start_source(name, source)
 
+    def hurry(self, sources: Iterable[str]) -> None:
+        """Read these sources' scrape targets again soon: ``READ_SOON`` of their interval after their
+        last round began, not a whole interval (the self-sized limit's start at a few slots per lane:
+        ``Machine.reading_wanted``). A Prometheus source is not hurried: what it answers changes only
+        as often as Prometheus scrapes. Unknown or stopped sources are ignored."""
+        for name in sources:
+            source, soon = self._signals.sources.get(name), self._soon.get(name)
+            if source is not None and source.scrape is not None and soon is not None:
+                soon.set()
+
     def readings(self) -> dict[str, Reading]:
         return dict(self._readings)
 
@@ -162,19 +176,22 @@ class SignalHub:
         return self._session
 
     def _start_source(self, name: str, source: Source) -> None:
-        self._tasks[name] = asyncio.get_running_loop().create_task(self._run(name, source),
+        self._soon[name] = soon = asyncio.Event()
+        self._tasks[name] = asyncio.get_running_loop().create_task(self._run(name, source, soon),
                                                                    name=f"signals:{name}")
 
     def _retire(self, name: str) -> None:
         task = self._tasks.pop(name)
+        self._soon.pop(name, None)
         task.cancel()
         self._retired.add(task)
         task.add_done_callback(self._retired.discard)
 
-    async def _run(self, name: str, source: Source) -> None:
+    async def _run(self, name: str, source: Source, soon: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
         while True:
             started = loop.time()
+            soon.clear()  # (a hurry during this round shortens the wait after it)
             try:
                 if source.prometheus is not None:
                     await self._poll_prometheus(name, source)
@@ -183,7 +200,10 @@ class SignalHub:
             except Exception:  # a bug here must not end polling for good
                 log.exception("signal poll failed", source=name)
             self._notify()
-            await asyncio.sleep(max(0.0, source.interval - (loop.time() - started)))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(soon.wait(), max(0.0, source.interval - (loop.time() - started)))
+            # Hurried: no sooner than READ_SOON of the interval after this round began.
+            await asyncio.sleep(max(0.0, started + source.interval * READ_SOON - loop.time()))
 
     async def _poll_prometheus(self, name: str, source: Source) -> None:
         config = source.prometheus

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from extproc.core.body import BodyFacts
+from extproc.core.capacity import READ_SOON
 from extproc.core.decision import Decision, Reason, Ticket, reject
 from extproc.core.machine import Machine
 from extproc.core.saturation import Reading
@@ -266,6 +267,13 @@ class _Run:
         self.poll = min((s.interval for s in policy.signals.sources.values()), default=math.inf) \
             if policy is not None and policy.signals.read else math.inf
         self.next_poll = 0.0 if math.isfinite(self.poll) else math.inf
+        self.last_poll = -math.inf
+        # The self-sized limit's start reads a scrape source again soon (SignalHub.hurry); what a
+        # Prometheus source answers changes only on Prometheus' own scrapes.
+        sources = policy.signals.sources if policy is not None else {}
+        self.hurried = policy is not None and any(
+            (source := sources.get(name)) is not None and source.scrape is not None
+            for name in policy.capacity_sources)
         self.windows = {name: _window(policy, name) for name in self.signals} if policy is not None else {}
         self.changes = list(sim.capacity_schedule)
         self.timeline: list[tuple[float, int, int, int]] = []
@@ -395,6 +403,8 @@ class _Run:
     def run(self) -> Run:
         engine, driver = self.engine, self.driver
         while True:
+            if self.hurried and driver is not None and driver.machine.reading_wanted(self.clock):
+                self.next_poll = min(self.next_poll, max(self.clock, self.last_poll + self.poll * READ_SOON))
             upcoming = self.upcoming
             t_sched = driver.machine.next_timer() if driver is not None else None
             now = _soonest(self.heap[0][0] if self.heap else None,
@@ -409,8 +419,8 @@ class _Run:
                 continue
             if self.next_poll <= now:
                 # Signals are read on their sources' interval, while anything is still going on.
-                now = self.next_poll
-                self.next_poll += self.poll
+                now = self.last_poll = self.next_poll
+                self.next_poll = now + self.poll
                 self.read_signals(now)
             self.clock = now
             self.take_arrivals(now)

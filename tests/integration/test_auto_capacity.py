@@ -159,3 +159,54 @@ def test_the_limit_finds_the_engines_concurrency_then_decays_when_its_signals_di
     rig.start_backend()
     rig.wait_for(lambda a: not a["stale"], "fresh signals")
     assert metric(rig.metrics, "extproc_capacity_signals_stale") == 0
+
+
+HURRIED = """
+lanes:
+  - {name: chat, priority: 10, max_inflight: 80, max_queued: 200, deadline: 30s}
+  - {name: batch, max_inflight: 10, max_queued: 10, deadline: 30s}
+  - {name: bulk, max_inflight: 10, max_queued: 10, deadline: 30s}
+classification: {default_lane: chat}
+capacity:
+  max_inflight: auto
+  max_hold: 60s
+  auto:
+    min: 2
+    max: 64
+    interval: 4s
+    signals: {waiting: engine_waiting, running: engine_running}
+    target: {queue: 0}
+signals:
+  sources:
+    engine: {scrape: {targets: ["http://127.0.0.1:8000/metrics"], interval: 4s, timeout: 1s}}
+  read:
+    engine_waiting: {source: engine, preset: waiting_requests, stale_after: 10s}
+    engine_running: {source: engine, preset: running_requests, stale_after: 10s}
+ratelimit: {mode: "off"}
+"""
+
+
+def test_a_start_at_a_few_slots_per_lane_reads_its_engines_again_within_the_interval(tmp_path: Path) -> None:
+    """Requests held back at a few slots per lane (three lanes, from 2) bring the engines' next scrape
+    forward to a quarter of its 4 s interval, so the start doubles several times within one interval:
+    with a reading every 4 s, 2 → 4 at most in that time."""
+    with stack(tmp_path) as s:
+        backend = free_port()
+        rig = Rig(s, backend, "", "", "")
+        rig.start_backend()
+        policy = tmp_path / "policy.in.yaml"
+        policy.write_text(HURRIED)
+        grpc, http, admin = free_port(), free_port(), free_port()
+        s.extproc(s.policy_for(policy, backend), grpc, http, "--log-format", "json", admin=admin)
+        listen, envoy_admin = free_port(), free_port()
+        s.envoy(envoy_config(listen, envoy_admin, backend, grpc))
+        rig.admin, rig.metrics, rig.url = (f"http://127.0.0.1:{admin}", f"http://127.0.0.1:{http}/metrics",
+                                           f"http://127.0.0.1:{listen}")
+        first = rig.wait_for(lambda a: a["signals"].get("running") is not None, "a first engine reading")
+        assert first["limit"] == 2
+        # Load starts just after a reading; 3 s of it is less than one interval.
+        statuses = load(rig.url, clients=12, seconds=3.0)
+        assert statuses.count(200) > 0
+        moves = metric(rig.metrics, "extproc_capacity_limit_moves_total", reason="headroom")
+        assert moves >= 2, rig.auto()
+        assert rig.auto()["limit"] >= 8

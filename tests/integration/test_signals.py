@@ -9,6 +9,7 @@ engine presets. Every wait is bounded; nothing asserts how fast anything is.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
@@ -391,3 +392,58 @@ async def test_the_kv_cache_preset_reads_the_simulated_backend(
     assert w.sample("inference_kv_cache_utilization", signal="kv") is None
     await w.until("fail closed", lambda: w.active("kv-full"))
     assert w.saturation.effect("best-effort").shed_by == "kv-full"
+
+
+# -- hurried rounds (the self-sized limit's start) ------------------------------------------------------
+
+
+@pytest.fixture
+async def counted() -> AsyncIterator[tuple[str, list[float]]]:
+    """An engine's /metrics page that notes when each fetch came (vLLM's names, one running)."""
+    fetches: list[float] = []
+
+    async def metrics(_: web.Request) -> web.Response:
+        fetches.append(time.monotonic())
+        return web.Response(text='vllm:num_requests_running{model_name="m"} 1\n'
+                                 'vllm:num_requests_waiting{model_name="m"} 0\n')
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}/metrics", fetches
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_hurried_scrape_source_reads_again_after_a_quarter_interval_not_prometheus(
+        prometheus: Prometheus, counted: tuple[str, list[float]],
+        wired: Callable[[dict[str, Any]], Wired]) -> None:
+    """``hurry`` ends a scrape source's wait early, but no sooner than a quarter of its interval after
+    its last round began, however often it is asked; a Prometheus source is not hurried (what it
+    answers changes only on Prometheus' own scrapes), nor is an unknown one."""
+    url, fetches = counted
+    await scraped(prometheus, PENDING, 0)
+    w = wired({
+        "sources": {"engines": {"scrape": {"targets": [url], "interval": "4s", "timeout": "500ms"}},
+                    "prom": prom_source(prometheus.url, interval="60s", timeout="1s")},
+        "read": {"running": {"source": "engines", "preset": "running_requests"},
+                 "pending": {"source": "prom", "query": PENDING}},
+    })
+    await w.until("both sources are read", lambda: w.value("running") == 1 and w.value("pending") == 0)
+    assert len(fetches) == 1
+    pending = w.hub.readings()["pending"].updated_at
+    # Asked every 20 ms: the engines are read again before their 4 s interval is out, but a quarter
+    # of it (1 s) apart at most often, not once per ask.
+    began = time.monotonic()
+    while len(fetches) < 3:
+        assert time.monotonic() - began < WAIT_S, fetches
+        w.hub.hurry({"engines", "prom", "no-such-source"})
+        await asyncio.sleep(0.02)
+    elapsed = time.monotonic() - began
+    gaps = [later - earlier for earlier, later in itertools.pairwise(fetches)]
+    assert all(0.5 < gap < 4 for gap in gaps), gaps
+    assert len(fetches) - 1 <= elapsed / 1.0 + 1
+    assert w.hub.readings()["pending"].updated_at == pending  # Prometheus: its 60 s interval

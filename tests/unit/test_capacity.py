@@ -936,3 +936,59 @@ async def test_with_a_store_the_limit_waits_for_the_fleet_s_answer_before_it_mov
     now[0] = 13.0
     controller.on_signals(readings(13.0), 13.0)  # from the fleet's limit on, the usual rules
     assert machine.auto.limit == 48  # (48 is far above what runs: no growth)
+
+
+def test_a_start_at_a_few_slots_per_lane_wants_its_next_reading_soon_while_work_is_held() -> None:
+    """Under four slots per lane a start wants its next reading after a quarter of the interval while
+    requests are held back or were refused for want of a slot (the interactive lane refuses within a
+    fraction of a second at 4): Machine.reading_wanted, which the signal hub and the simulator ask.
+    Not with nothing held, not from four slots per lane up, not once the start has ended."""
+    data = running_policy(start=4).model_dump()
+    data["lanes"][0]["max_queued"] = 0  # interactive: refused at its share (3 of 4)
+    gate = Machine(Policy.model_validate(data))
+    assert gate.auto is not None
+    assert gate.auto.lanes == 2
+    gate.on_signals(engines(0, 0), 0)
+    assert not gate.reading_wanted(0.1)  # nothing held or refused
+    for _ in range(3):
+        assert gate.submit("interactive", "t", job(), 0.1).decision.outcome.value == "admitted"
+    assert not gate.reading_wanted(0.1)
+    assert gate.submit("interactive", "t", job(), 0.2).decision.outcome.value == "rejected"
+    assert gate.reading_wanted(0.2)
+    # The reading it wanted doubles the limit: 8 slots for two lanes are four each, readings at the
+    # interval from here, held or not.
+    assert gate.on_signals(engines(0.25, 3), 0.25).move is not None
+    assert gate.policy.total_capacity == 8
+    outcomes = [gate.submit("interactive", "t", job(), 0.3).decision.outcome.value for _ in range(4)]
+    assert outcomes == ["admitted"] * 3 + ["rejected"]  # its share of 8 is 6
+    assert gate.auto.reading_soon is False
+    assert not gate.reading_wanted(0.3)
+    # Out of the start, however small the limit: no reading soon.
+    p = running_policy(start=4)
+    assert p.capacity.auto is not None
+    a = AutoLimit(p.capacity.auto, p.signals, lanes=len(p.lanes))
+    assert a.reading_soon
+    a.update(engines(0, 4, waiting=30, ttft=0.9), 4, True, 0)  # engines that queue: what they run
+    assert a.limit == 4
+    assert not a.reading_soon
+
+
+def test_a_few_waiting_at_a_cheap_ttft_on_the_first_reading_are_not_a_full_engine() -> None:
+    """An engine that takes new requests in only every few steps shows one or two waiting with slots
+    free: the first reading of what runs does not take that for engines out of room (which ended the
+    start with what ran then, two sequences, as where they had too many)."""
+    p = running_policy(start=4)
+    assert p.capacity.auto is not None
+    a = AutoLimit(p.capacity.auto, p.signals, lanes=len(p.lanes))
+    # At least what runs (4), and the start doubles on the same reading (the lanes hold work back).
+    move = a.update(engines(0, 2, waiting=1, ttft=0.1), 2, True, 0)
+    assert move is not None
+    assert move.reason == "headroom"
+    assert a.limit == 8
+    assert a.update(engines(0.25, 8, waiting=0, ttft=0.1), 8, True, 0.25) is not None
+    assert a.limit == 16
+    # The same few waiting at a TTFT over half its target are a queue: the limit is what runs.
+    b = auto_of(running_policy(start=8))
+    assert b.update(engines(0, 6, waiting=1, ttft=0.7), 6, True, 0) is not None
+    assert b.limit == 6
+    assert not b.reading_soon

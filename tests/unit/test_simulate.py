@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import subprocess
@@ -318,3 +319,39 @@ def test_auto_capacity_runs_in_the_simulator_and_follows_a_capacity_step() -> No
     assert run.peak_running <= LLAMA_70B_2XH100.max_running
     waiting = [w for t, _, w, _ in run.timeline if 50 <= t < 60]
     assert max(waiting) <= 20  # and kept the engine's own queue short
+
+
+def test_the_simulator_reads_a_scrape_source_soon_while_a_start_holds_work_back_as_the_hub_does() -> None:
+    """Machine.reading_wanted, as live: at a few slots per lane a start reads its scrape source again a
+    quarter interval after the last while requests are held back (the first second at 4 slots refused
+    the 70B's interactive requests at twice its capacity); from there on, once per interval. Signals
+    read through Prometheus are not read sooner (Prometheus' own scrapes set what they answer)."""
+    policy = load_policy(ROOT / "examples" / "auto-policy.yaml")
+    spec, requests = chatbot(2.0, 10)
+    sim = Simulator(LLAMA_70B_2XH100, time_scale=0.1, client=spec.client)
+    run = sim.run(requests, policy)
+    times = [t for t, _, _, _ in run.timeline]
+    early = [(t, limit) for t, limit, _, _ in run.timeline if t < 1.0]
+    assert len(early) >= 3, early  # t=0, then hurried readings within the first interval
+    assert max(limit for _, limit in early) >= 16
+    assert min(b - a for a, b in itertools.pairwise(times)) >= 0.25 - 1e-9
+    later = [b - a for a, b in itertools.pairwise(times) if a >= 3.0]
+    assert later
+    assert all(gap == pytest.approx(1.0) for gap in later)
+    # The same engines read through Prometheus: once per interval from the start.
+    data = policy.model_dump(mode="json", exclude_none=True)
+    data["signals"]["sources"]["engines"] = {"prometheus": {"url": "http://127.0.0.1:9090", "interval": "1s",
+                                                                "timeout": "500ms"}}
+    data["signals"]["read"] = {
+        name: {"source": "engines", "query": f"sum(vllm:{metric})", "stale_after": "5s"}
+        for name, metric in (("engine_waiting", "num_requests_waiting"),
+                             ("engine_running", "num_requests_running"),
+                             ("engine_kv_cache", "kv_cache_usage_perc"))}
+    data["capacity"]["auto"]["signals"] = {"waiting": "engine_waiting", "running": "engine_running",
+                                           "kv_cache": "engine_kv_cache"}
+    data["capacity"]["auto"]["target"] = {"queue": 0}
+    prometheus = Policy.model_validate(data)
+    run = sim.run(requests, prometheus)
+    assert set(run.signals) == {"engine_waiting", "engine_running", "engine_kv_cache"}
+    times = [t for t, _, _, _ in run.timeline]
+    assert all(b - a == pytest.approx(1.0) for a, b in itertools.pairwise(times))
