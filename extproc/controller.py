@@ -143,7 +143,8 @@ class Controller:
         and move the self-sized limit."""
         view = self.view
         fleet = sum(view.inflight.values()) if view is not None else None
-        result = self.machine.on_signals(readings, now, fleet_inflight=fleet)
+        queued = sum(view.queued.values()) if view is not None else None
+        result = self.machine.on_signals(readings, now, fleet_inflight=fleet, fleet_queued=queued)
         for change in result.changes:
             log.warning("saturation rule active" if change.active else "saturation rule released",
                         rule=change.rule, signal=change.signal, value=change.value, stale=change.stale,

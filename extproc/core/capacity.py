@@ -29,8 +29,10 @@ p95, the requests the engines run, and their KV-cache usage.
   traffic back (in flight ≥ 90 % of the limit, or ≥ 75 % while requests wait in extproc's queues for
   want of a slot (or were refused for want of one since it last moved, within the interval), or
   within one slot per lane of it: at a limit of a few slots per lane, every lane sized at least one,
-  a lane at its share holds work back long before 75 % are in flight): a limit far above what runs
-  is not grown further (it would only let a burst flood the engines). Until the engines first queue
+  a lane at its share holds work back long before 75 % are in flight; or, in the start, while the
+  work held back would fill the limit with what is in flight and the engines are idle: a KV cache
+  under half full, TTFT p95 under a quarter of its target): a limit far above what runs is not grown
+  further (it would only let a burst flood the engines). Until the engines first queue
   it doubles (a slow start, as TCP's: from ``min`` to hundreds in seconds), on every fresh reading
   while requests are held back rather than once per interval (under four slots per lane it wants
   that reading a quarter of the signals' interval after the last: ``reading_soon``, which a scrape
@@ -91,6 +93,12 @@ _NEAR, _CREEP = 0.05, 0.01
 #: interval (Scheduler.turned_away_at). Not less: a limit far above what runs would only let a
 #: burst flood the engines.
 _HEADROOM, _PRESSED, _PRESSED_HELD = 0.9, 0.9, 0.75
+#: In the start, requests held back that would fill the limit with those in flight are pressure
+#: enough while the engines are idle: their KV cache under _IDLE_KV full and TTFT p95 under _IDLE_TTFT
+#: of its target. At 16 slots the lanes below the highest held at their shares (two and one) while
+#: the highest had few requests: in flight stayed at half the limit for seconds, and the V0-like
+#: engine's start took 16 s to reach 64 (its best static limit is 48).
+_IDLE_KV, _IDLE_TTFT = 0.5, 0.25
 #: An engine queue this many times the target (+1) is acted on at once; a smaller one only when
 #: the previous tick saw one too (a request that arrived just before the sample waits one step).
 _CLEAR_QUEUE = 4
@@ -237,10 +245,12 @@ class AutoLimit:
         return AutoState(self.limit, self.auto.min, self.auto.max, self.auto.shadow, self._reason, self._why,
                          self._since, self._stale_since is not None, self._unreachable, dict(self._values))
 
-    def update(self, readings: Mapping[str, Reading], inflight: int, held: bool, now: float) -> Move | None:
+    def update(self, readings: Mapping[str, Reading], inflight: int, held: bool, now: float, *,
+               queued: int = 0) -> Move | None:
         """Look at the latest readings; move the limit if an interval has passed and they say so.
 
         ``inflight``: requests running under this limit (fleet-wide with a shared store);
+        ``queued``: requests waiting in extproc's queues (fleet-wide with a shared store);
         ``held``: requests wait in extproc's queues only for want of a slot (a lane at its share of
         the limit, or the fleet at the limit: ``Scheduler.held_back``), or one was refused for want of
         a slot since the limit last moved, within the interval (``Scheduler.turned_away_at``: a queue
@@ -276,7 +286,7 @@ class AutoLimit:
         self._unreachable = None
         if queueing:
             return None  # one sample of a queue: neither grow nor fall until the next tick says
-        return self._grow(fresh, inflight, held, now)
+        return self._grow(fresh, inflight, held, now, queued)
 
     def _queue_seen(self, fresh: Mapping[Role, float]) -> tuple[bool, bool]:
         """Whether the engines queue beyond the target now, and whether to act on it (seen on two
@@ -397,7 +407,8 @@ class AutoLimit:
             self._cut(now, min(was, max(float(inflight), self._value)))
         return True, self._moved(before, now, reason, text)
 
-    def _grow(self, fresh: Mapping[Role, float], inflight: int, held: bool, now: float) -> Move | None:
+    def _grow(self, fresh: Mapping[Role, float], inflight: int, held: bool, now: float, queued: int
+              ) -> Move | None:
         auto, before, target = self.auto, self.limit, self.auto.target
         headroom = all(
             (value := fresh.get(role)) is None or (goal := getattr(target, role)) is None
@@ -410,7 +421,10 @@ class AutoLimit:
         # start from min) the lanes' rounded shares, each at least one slot, leave a lane at its share
         # with the slots that are left another lane's; 75 % is out of reach while work waits there.
         pressed = inflight >= _PRESSED * self._value or (held and inflight >= min(
-            _PRESSED_HELD * self._value, self._value - self.lanes))
+            _PRESSED_HELD * self._value, self._value - self.lanes)) or (
+            # In the start, work held back that would fill the limit, at engines that are idle: lanes
+            # below the highest held at their shares (two slots of 16) while its own slots sit idle.
+            self._slow_start and held and inflight + queued >= self._value and self._idle(fresh))
         if not headroom or not pressed or self._value >= auto.max:
             return None
         room = self._kv_room(fresh) if self._slow_start else None
@@ -422,6 +436,15 @@ class AutoLimit:
         if room is not None and room < min(doubled, auto.max):
             why += f"; not doubled: at that usage the KV cache holds about {room / _KV_FULL:.0f}"
         return self._moved(before, now, "headroom", why)
+
+    def _idle(self, fresh: Mapping[Role, float]) -> bool:
+        """The engines have room to spare: their KV cache under half full and TTFT p95 under a quarter
+        of its target, as far as they are read (at least one of the two)."""
+        kv, ttft, goal = fresh.get("kv_cache"), fresh.get("ttft_p95"), self.auto.target.ttft_p95
+        if goal is None:
+            ttft = None
+        return (kv is not None or ttft is not None) and (kv is None or kv < _IDLE_KV) \
+            and (ttft is None or goal is None or ttft < _IDLE_TTFT * goal)
 
     @staticmethod
     def _kv_room(fresh: Mapping[Role, float]) -> float | None:

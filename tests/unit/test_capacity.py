@@ -992,3 +992,67 @@ def test_a_few_waiting_at_a_cheap_ttft_on_the_first_reading_are_not_a_full_engin
     assert b.update(engines(0, 6, waiting=1, ttft=0.7), 6, True, 0) is not None
     assert b.limit == 6
     assert not b.reading_soon
+
+
+def test_in_the_start_held_work_that_would_fill_the_limit_at_idle_engines_is_pressure() -> None:
+    """At 16 slots a lane below the highest held at its share (two of 16) while the highest had few
+    requests: in flight sat at half the limit, under the three quarters that press it. In the start,
+    work held back that would fill the limit with what is in flight doubles it while the engines are
+    idle (KV cache under half full, TTFT p95 under a quarter of its target); not when they are not,
+    not when what waits would not fill it, and not out of the start."""
+
+    def kv(now: float, running: float, usage: float, ttft: float) -> dict[str, Reading]:
+        return {**engines(now, running, ttft=ttft), "kv": Reading(usage, now)}
+
+    def started() -> AutoLimit:
+        a = auto_of(kv_policy(start=16))
+        a.update(engines(0, 0), 0, False, 0)
+        assert a.limit == 16
+        return a
+
+    # Eight in flight, ten waiting for want of a slot, idle engines: doubled.
+    a = started()
+    assert a.update(kv(1, 8, 0.1, 0.1), 8, True, 1, queued=10) is not None
+    assert a.limit == 32
+    # What waits would not fill it (eight and seven of 16): not pressed.
+    a = started()
+    assert a.update(kv(1, 8, 0.1, 0.1), 8, True, 1, queued=7) is None
+    assert a.limit == 16
+    # Nothing held back for want of a slot (what waits waits for something else): not pressed.
+    assert a.update(kv(3, 8, 0.1, 0.1), 8, False, 3, queued=10) is None
+    # A KV cache half full, or TTFT p95 a quarter of its target (1 s): not idle.
+    a = started()
+    assert a.update(kv(1, 8, 0.5, 0.1), 8, True, 1, queued=10) is None
+    a = started()
+    assert a.update(kv(1, 8, 0.1, 0.25), 8, True, 1, queued=10) is None
+    # Neither read: nothing says the engines are idle.
+    b = auto_of(policy(start=16))
+    assert b.update(readings(0, ttft=None), 8, True, 0, queued=10) is None
+    assert b.limit == 16
+    # Out of the start (the engines queued: 8 of 16 is what they run), the usual pressure only.
+    a = started()
+    a.update(kv(1, 8, 0.1, 0.1) | {"waiting": Reading(30, 1)}, 16, True, 1)
+    assert a.limit == 8
+    assert a.update(kv(5, 4, 0.1, 0.1), 4, True, 5, queued=10) is None
+    assert a.limit == 8
+
+
+def test_the_machine_gives_the_limit_the_work_in_its_queues() -> None:
+    """Machine.on_signals passes what waits in extproc's queues (or the fleet's, with a store) to the
+    limit: held work that would fill the limit presses a start at idle engines."""
+    data = kv_policy(start=16).model_dump()
+    gate = Machine(Policy.model_validate(data))
+    gate.on_signals({**engines(0, 0), "kv": Reading(0.0, 0)}, 0)
+    assert gate.policy.total_capacity == 16
+    # The batch lane (a quarter of 16, and 10 % borrowed) fills its share; the rest wait.
+    outcomes = [gate.submit("batch", "t", job(), 0.5).decision.outcome.value for _ in range(18)]
+    inflight = outcomes.count("admitted")
+    assert inflight == 6  # its share (4) and two borrowed: under three quarters of 16
+    assert outcomes[inflight:] == ["queued"] * 12
+    readings_now = {**engines(1, inflight, ttft=0.1), "kv": Reading(0.1, 1)}
+    # With a fleet view that says nothing waits anywhere (as a store would), the work held back
+    # would not fill the limit: no move. Alone, the twelve waiting here would: it doubles.
+    assert gate.on_signals(readings_now, 1, fleet_inflight=inflight, fleet_queued=0).move is None
+    result = gate.on_signals(readings_now | {"ttft": Reading(0.1, 1.5)}, 1.5)
+    assert result.move is not None
+    assert (result.move.previous, result.move.limit) == (16, 32)
