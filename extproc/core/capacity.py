@@ -16,7 +16,9 @@ p95, the requests the engines run, and their KV-cache usage.
   (an engine that prefills waiting requests first, or preempts and resumes) is cheap: the limit
   keeps a quarter over what runs, once per ``cooldown``, rather than falling to what runs (that
   threw away the buffer a static limit keeps, and left lower lanes holding slots from the higher
-  limit while the interactive lane waited out its deadline). A latency percentile above its target
+  limit while the interactive lane waited out its deadline); in the start, at idle engines (a KV
+  cache under half full, TTFT p95 under a quarter of its target) it is a doubling's prefills, and
+  the start goes on from the trim. A latency percentile above its target
   cuts the limit in proportion (target / observed, between ×0.5 and ×0.95; a TPOT, which a smaller
   batch shortens only a little, by ×0.9 at most). A percentile looks back over its window (the
   signal's ``window``, or a query's ``[range]``), so after a fall it may cut again only once that
@@ -278,7 +280,7 @@ class AutoLimit:
         queueing, act = self._queue_seen(fresh)
         if act:
             if self._queue_is_cheap(fresh):
-                return self._cheap_queue(fresh["waiting"], inflight, now)
+                return self._cheap_queue(fresh["waiting"], inflight, now, self._idle(fresh))
             return self._queue_fall(fresh["waiting"], inflight, now)
         over, cut = self._latency_cut(fresh, inflight, now)
         if over:
@@ -347,7 +349,7 @@ class AutoLimit:
         return self._moved(before, now, "engine_queue",
                            f"the engines queue {waiting:g} requests (target {target.queue})")
 
-    def _cheap_queue(self, waiting: float, inflight: int, now: float) -> Move | None:
+    def _cheap_queue(self, waiting: float, inflight: int, now: float, idle: bool) -> Move | None:
         """A queue at the engines (four times the target, or seen twice) while TTFT p95 is under half
         its target: it costs no first token yet (an engine that prefills waiting requests first, or
         one that preempts and resumes). Its own queue is what feeds the engines' next step: keep a
@@ -357,9 +359,14 @@ class AutoLimit:
         the interactive lane waited past its deadline while they drained. A queue that does cost
         meets the full fall once TTFT shows it, on a later tick: the queue of engines that just lost
         capacity looks cheap until its requests' first tokens come late (a few seconds at a quarter
-        over what runs; bench/adaptive.py's step measures it)."""
+        over what runs; bench/adaptive.py's step measures it). In the start, a queue at ``idle``
+        engines (``_idle``) is a doubling's prefills, not engines out of room: the trim leaves the
+        start on (ending it there left the 8B at 33 slots, a third of what it runs, regrowing by 5 %
+        per interval while the interactive lane waited)."""
         auto, before = self.auto, self.limit
-        self._slow_start = False  # the engines are full: the start is over (where they had too many: unknown)
+        if not (self._slow_start and idle):
+            # The engines are full: the start is over (where they had too many: unknown).
+            self._slow_start = False
         if now - self._last_cut < auto.cooldown:
             return None
         runs = inflight - (waiting - auto.target.queue)

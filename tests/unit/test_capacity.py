@@ -1056,3 +1056,24 @@ def test_the_machine_gives_the_limit_the_work_in_its_queues() -> None:
     result = gate.on_signals(readings_now | {"ttft": Reading(0.1, 1.5)}, 1.5)
     assert result.move is not None
     assert (result.move.previous, result.move.limit) == (16, 32)
+
+
+def test_in_the_start_a_cheap_queue_at_idle_engines_is_trimmed_and_the_start_goes_on() -> None:
+    """A doubling's prefills wait at engines that are idle (KV cache under half full, TTFT p95 under a
+    quarter of its target): the limit keeps a quarter over what runs, and the next growth doubles
+    again. At a TTFT p95 of 0.3 s (not idle, still cheap) the same trim ends the start: +5 % then."""
+
+    def kv(now: float, running: float, waiting: float, ttft: float) -> dict[str, Reading]:
+        return {**engines(now, running, waiting=waiting, ttft=ttft), "kv": Reading(0.05, now)}
+
+    for ttft, regrown in ((0.1, 67), (0.3, 35)):
+        a = auto_of(kv_policy(start=16))
+        assert a.update(kv(0, 20, 0, ttft), 20, False, 0) is not None  # starts from the 20 running
+        assert a.update(kv(1, 27, 0, ttft), 20, True, 1) is not None
+        assert a.limit == 40
+        # Five waiting (four times the target over) while what runs no longer rises.
+        move = a.update(kv(2, 27, 5, ttft), 32, True, 2)
+        assert move is not None
+        assert move.limit == 33  # a quarter over the 27 that run
+        assert a.update(kv(4, 31, 0, ttft), 31, True, 4) is not None
+        assert a.limit == regrown
