@@ -65,6 +65,8 @@ class Controller:
                            record=self._record_now, changed=self._capacity_changed, rng=rng) \
             if ledger is not None or budgets is not None else None
         self._capacity_mode: set[str] = set()
+        #: The signal sources that feed the self-sized limit (after every policy swap).
+        self._sources: frozenset[str] = frozenset()
         metrics.named_tenants = named_tenants(policy)
         metrics.watch(self.lanes, lambda: self.machine.draining, lambda: self.view,
                       lambda: self.machine.drain_rates(self.now()), lambda: self.machine.bookings(self.now()))
@@ -143,8 +145,7 @@ class Controller:
         and move the self-sized limit."""
         view = self.view
         fleet = sum(view.inflight.values()) if view is not None else None
-        queued = sum(view.queued.values()) if view is not None else None
-        result = self.machine.on_signals(readings, now, fleet_inflight=fleet, fleet_queued=queued)
+        result = self.machine.on_signals(readings, now, fleet_inflight=fleet)
         for change in result.changes:
             log.warning("saturation rule active" if change.active else "saturation rule released",
                         rule=change.rule, signal=change.signal, value=change.value, stale=change.stale,
@@ -183,7 +184,8 @@ class Controller:
         """Which signal sources feed the self-sized limit (after every policy swap)."""
         metrics = self.metrics
         metrics.capacity_sources.clear()
-        for source in self.machine.base.capacity_sources:
+        self._sources = self.machine.base.capacity_sources
+        for source in self._sources:
             metrics.capacity_sources.labels(source).set(1)
 
     def _limits_changed(self) -> None:
@@ -246,9 +248,11 @@ class Controller:
         self._reading_wanted(now)
 
     def _reading_wanted(self, now: float) -> None:
-        """A request held or refused: a self-sized limit in its start may want a reading soon."""
-        if self.want_reading is not None and self.machine.reading_wanted(now):
-            self.want_reading(self.machine.base.capacity_sources)
+        """A request held or refused: a self-sized limit in its start may want a reading soon (with a
+        store, only the leader's: its limit is the fleet's)."""
+        if self.want_reading is not None and self.machine.reading_wanted(now) \
+                and (self.ledger is None or self.fleet_leader):
+            self.want_reading(self._sources)
 
     def permit_retry(self) -> bool:
         """A rejection may tell its client to retry: reserve that retry in the budget, if there is room."""

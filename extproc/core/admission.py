@@ -437,3 +437,12 @@ class Scheduler:
     def drain_wait(self, lane: str, now: float, rank: float | None = None) -> float:
         """Seconds until a request joining ``lane``'s queue now would get a slot (``Returns.drain_wait``)."""
         return self._returns.drain_wait(lane, now, rank)
+
+
+def held_queued(scheduler: Scheduler) -> int:
+    """Requests waiting only for want of a slot: the queues of the lanes that only slots hold back
+    (``Lanes.slot_bound``, as ``held_back`` asks), with what the other replicas queue in them as last
+    seen. Not a paused or shed lane's backlog: more slots would not start it."""
+    lanes = scheduler._lanes
+    return sum(len(queue) + lanes.others_queued(name) for name, queue in lanes.queues.items()
+               if (queue or lanes.others_queued(name)) and lanes.slot_bound(lanes.configs[name]))

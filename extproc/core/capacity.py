@@ -188,6 +188,8 @@ class AutoLimit:
         self._last_cut: float = -math.inf
         self._growth = _GROW_FIRST
         self._slow_start = True
+        #: The last tick saw a latency percentile over its target (a start waits out its window).
+        self._over = False
         self._ceiling: float | None = None
         self._lookback: dict[Role, float] = {}
         self._look(signals)
@@ -240,8 +242,10 @@ class AutoLimit:
     @property
     def reading_soon(self) -> bool:
         """Whether the next reading is wanted after ``READ_SOON`` of the signals' interval while
-        requests are held back: a start still under ``_SOON_SLOTS`` slots per lane."""
-        return self._slow_start and self._value < _SOON_SLOTS * self.lanes
+        requests are held back: a start still under ``_SOON_SLOTS`` slots per lane (and under
+        ``max``), not waiting out a latency percentile's window (a reading soon changes nothing then)."""
+        return self._slow_start and not self._over and self._value < min(_SOON_SLOTS * self.lanes,
+                                                                          self.auto.max)
 
     def state(self) -> AutoState:
         return AutoState(self.limit, self.auto.min, self.auto.max, self.auto.shadow, self._reason, self._why,
@@ -252,7 +256,8 @@ class AutoLimit:
         """Look at the latest readings; move the limit if an interval has passed and they say so.
 
         ``inflight``: requests running under this limit (fleet-wide with a shared store);
-        ``queued``: requests waiting in extproc's queues (fleet-wide with a shared store);
+        ``queued``: requests waiting in extproc's queues only for want of a slot (fleet-wide with a
+        shared store, as last synced: ``admission.held_queued``);
         ``held``: requests wait in extproc's queues only for want of a slot (a lane at its share of
         the limit, or the fleet at the limit: ``Scheduler.held_back``), or one was refused for want of
         a slot since the limit last moved, within the interval (``Scheduler.turned_away_at``: a queue
@@ -266,7 +271,7 @@ class AutoLimit:
         quick = self._slow_start and held and news
         if self._last_tick is not None and now - self._last_tick < self.auto.interval and not quick:
             return None
-        self._last_tick, self._seen = now, newest
+        self._last_tick, self._seen, self._over = now, newest, False
         fresh = self._fresh(readings, now)
         configured = {role for role in ROLES if getattr(self.auto.signals, role) is not None}
         self._values = {role: fresh.get(role) for role in sorted(configured)}
@@ -283,6 +288,7 @@ class AutoLimit:
                 return self._cheap_queue(fresh["waiting"], inflight, now, self._idle(fresh))
             return self._queue_fall(fresh["waiting"], inflight, now)
         over, cut = self._latency_cut(fresh, inflight, now)
+        self._over = over
         if over:
             return cut
         self._unreachable = None
@@ -449,9 +455,9 @@ class AutoLimit:
         of its target, as far as they are read (at least one of the two)."""
         kv, ttft, goal = fresh.get("kv_cache"), fresh.get("ttft_p95"), self.auto.target.ttft_p95
         if goal is None:
-            ttft = None
+            ttft = None  # (no target to measure it by)
         return (kv is not None or ttft is not None) and (kv is None or kv < _IDLE_KV) \
-            and (ttft is None or goal is None or ttft < _IDLE_TTFT * goal)
+            and (ttft is None or (goal is not None and ttft < _IDLE_TTFT * goal))
 
     @staticmethod
     def _kv_room(fresh: Mapping[Role, float]) -> float | None:

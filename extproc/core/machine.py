@@ -33,7 +33,7 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from extproc.core.admission import Scheduler
+from extproc.core.admission import Scheduler, held_queued
 from extproc.core.body import BodyFacts, SlowBodies
 from extproc.core.budget import BucketVerdict, part, verdict
 from extproc.core.capacity import AutoLimit, Move, size
@@ -311,12 +311,12 @@ class Machine:
 
     # -- time and signals -----------------------------------------------------------------------
 
-    def on_signals(self, readings: Mapping[str, Reading], now: float, *, fleet_inflight: int | None = None,
-                   fleet_queued: int | None = None) -> Signalled:
+    def on_signals(self, readings: Mapping[str, Reading], now: float, *, fleet_inflight: int | None = None
+                   ) -> Signalled:
         """New signal readings: the rule changes they cause, the limit's move, and the decisions.
 
-        ``fleet_inflight``, ``fleet_queued``: requests running, and waiting in extproc's queues,
-        fleet-wide (with a shared store; default: this one's).
+        ``fleet_inflight``: requests running fleet-wide (with a shared store; default: this one's).
+        What waits for a slot is the scheduler's count, with the other replicas' as last synced.
         """
         self.now = now
         changes = self.saturation.update(readings, now)
@@ -325,8 +325,8 @@ class Machine:
         if self.auto is not None and self._agreed:
             scheduler = self._scheduler
             inflight = fleet_inflight if fleet_inflight is not None else scheduler.total_inflight
-            queued = fleet_queued if fleet_queued is not None else scheduler.total_queued
-            move = self.auto.update(readings, inflight, self._held(self.auto, now), now, queued=queued)
+            move = self.auto.update(readings, inflight, self._held(self.auto, now), now,
+                                    queued=held_queued(scheduler))
             if move is not None and not self.fleet_managed:
                 decisions.extend(self.set_limit(move.limit, now))
         return Signalled(changes, decisions, move)

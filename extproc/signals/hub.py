@@ -99,6 +99,7 @@ class SignalHub:
     async def stop(self) -> None:
         tasks = [*self._tasks.values(), *self._retired]
         self._tasks.clear()
+        self._soon.clear()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -200,8 +201,11 @@ class SignalHub:
             except Exception:  # a bug here must not end polling for good
                 log.exception("signal poll failed", source=name)
             self._notify()
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancel that races with
+            # the event (a hurry in the same tick as stop() or a reload's retire: the task polls on).
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(soon.wait(), max(0.0, source.interval - (loop.time() - started)))
+                async with asyncio.timeout(max(0.0, source.interval - (loop.time() - started))):
+                    await soon.wait()
             # Hurried: no sooner than READ_SOON of the interval after this round began.
             await asyncio.sleep(max(0.0, started + source.interval * READ_SOON - loop.time()))
 

@@ -444,6 +444,42 @@ async def test_a_hurried_scrape_source_reads_again_after_a_quarter_interval_not_
         await asyncio.sleep(0.02)
     elapsed = time.monotonic() - began
     gaps = [later - earlier for earlier, later in itertools.pairwise(fetches)]
-    assert all(0.5 < gap < 4 for gap in gaps), gaps
+    assert all(0.9 < gap < 4 for gap in gaps), gaps
     assert len(fetches) - 1 <= elapsed / 1.0 + 1
     assert w.hub.readings()["pending"].updated_at == pending  # Prometheus: its 60 s interval
+
+
+async def test_hurrying_a_source_whose_targets_are_down_or_a_stopped_hub_is_harmless() -> None:
+    """A hurried scrape source whose only target refuses connections fails each round quickly: it is
+    counted and logged as any failure, polled no more often than a quarter of its interval, and the
+    hub stops cleanly; hurrying a stopped hub, or a source a reload removed, does nothing."""
+    dead = f"http://127.0.0.1:{free_port()}/metrics"
+    rounds: list[float] = []
+    config = Signals.model_validate({
+        "sources": {"engines": {"scrape": {"targets": [dead], "interval": "2s", "timeout": "200ms"}}},
+        "read": {"running": {"source": "engines", "preset": "running_requests", "stale_after": "4s"}}})
+    registry = CollectorRegistry()
+    hub = SignalHub(config, registry, on_change=lambda _, now: rounds.append(now))
+    hub.start()
+    try:
+        began = time.monotonic()
+        while len(rounds) < 4:
+            assert time.monotonic() - began < WAIT_S, rounds
+            hub.hurry({"engines"})
+            await asyncio.sleep(0.02)
+        assert all(later - earlier > 0.45 for earlier, later in itertools.pairwise(rounds)), rounds
+        reading = hub.readings()["running"]
+        assert reading.value is None
+        assert (reading.error or "").startswith("unreachable")
+        assert (registry.get_sample_value("extproc_signal_errors_total",
+                                          {"signal": "running", "kind": "unreachable"}) or 0) >= 4
+        # A reload that removes the source: hurrying it is a no-op, and nothing polls it any more.
+        hub.reconfigure(Signals.model_validate({}))
+        hub.hurry({"engines"})
+        count = len(rounds)
+        await asyncio.sleep(0.6)
+        assert len(rounds) == count
+    finally:
+        await hub.stop()
+    hub.hurry({"engines"})  # stopped: nothing to wake, nothing started
+    assert len(rounds) == count

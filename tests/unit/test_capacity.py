@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from extproc.core.admission import held_queued
 from extproc.core.capacity import AutoLimit, size
 from extproc.core.decision import Reason
 from extproc.core.machine import Machine
@@ -1037,25 +1038,41 @@ def test_in_the_start_held_work_that_would_fill_the_limit_at_idle_engines_is_pre
     assert a.limit == 8
 
 
-def test_the_machine_gives_the_limit_the_work_in_its_queues() -> None:
-    """Machine.on_signals passes what waits in extproc's queues (or the fleet's, with a store) to the
-    limit: held work that would fill the limit presses a start at idle engines."""
-    data = kv_policy(start=16).model_dump()
-    gate = Machine(Policy.model_validate(data))
-    gate.on_signals({**engines(0, 0), "kv": Reading(0.0, 0)}, 0)
-    assert gate.policy.total_capacity == 16
-    # The batch lane (a quarter of 16, and 10 % borrowed) fills its share; the rest wait.
-    outcomes = [gate.submit("batch", "t", job(), 0.5).decision.outcome.value for _ in range(18)]
-    inflight = outcomes.count("admitted")
-    assert inflight == 6  # its share (4) and two borrowed: under three quarters of 16
-    assert outcomes[inflight:] == ["queued"] * 12
-    readings_now = {**engines(1, inflight, ttft=0.1), "kv": Reading(0.1, 1)}
-    # With a fleet view that says nothing waits anywhere (as a store would), the work held back
-    # would not fill the limit: no move. Alone, the twelve waiting here would: it doubles.
-    assert gate.on_signals(readings_now, 1, fleet_inflight=inflight, fleet_queued=0).move is None
-    result = gate.on_signals(readings_now | {"ttft": Reading(0.1, 1.5)}, 1.5)
-    assert result.move is not None
-    assert (result.move.previous, result.move.limit) == (16, 32)
+def test_the_machine_gives_the_limit_the_work_that_waits_only_for_a_slot() -> None:
+    """Machine.on_signals passes the limit what waits only for want of a slot (admission.held_queued):
+    the queues of lanes held at their shares, with what the other replicas queue in them; not a paused
+    lane's backlog, which more slots would not start."""
+
+    def gate_with(batch: int, paused: int) -> Machine:
+        gate = Machine(kv_policy(start=16))
+        gate.on_signals({**engines(0, 0), "kv": Reading(0.0, 0)}, 0)
+        assert gate.policy.total_capacity == 16
+        gate.pause("interactive")
+        for _ in range(paused):
+            assert gate.submit("interactive", "t", job(), 0.5).decision.outcome.value == "queued"
+        outcomes = [gate.submit("batch", "t", job(), 0.5).decision.outcome.value for _ in range(batch)]
+        # Its share (4), and two borrowed while the interactive lane has nothing waiting.
+        admitted = 4 if paused else 6
+        assert outcomes == ["admitted"] * admitted + ["queued"] * (batch - admitted)
+        return gate
+
+    idle = {**engines(1, 6, ttft=0.1), "kv": Reading(0.1, 1)}
+    # Six in flight and twelve held for a slot fill 16: it doubles.
+    gate = gate_with(18, 0)
+    assert held_queued(gate._scheduler) == 12
+    move = gate.on_signals(idle, 1).move
+    assert move is not None
+    assert (move.previous, move.limit) == (16, 32)
+    # Four held for a slot and twelve in a paused lane: 4 + 4 do not fill 16.
+    gate = gate_with(8, 12)
+    assert held_queued(gate._scheduler) == 4
+    assert gate.on_signals({**idle, "running": Reading(4, 1)}, 1).move is None
+    # Ten more queued in batch at the other replicas (as the store last showed): they do.
+    gate.set_others({}, {"batch": 10, "interactive": 5}, 1)
+    assert held_queued(gate._scheduler) == 14
+    move = gate.on_signals({**idle, "running": Reading(4, 1.5)}, 1.5).move
+    assert move is not None
+    assert move.limit == 32
 
 
 def test_in_the_start_a_cheap_queue_at_idle_engines_is_trimmed_and_the_start_goes_on() -> None:
@@ -1077,3 +1094,42 @@ def test_in_the_start_a_cheap_queue_at_idle_engines_is_trimmed_and_the_start_goe
         assert move.limit == 33  # a quarter over the 27 that run
         assert a.update(kv(4, 31, 0, ttft), 31, True, 4) is not None
         assert a.limit == regrown
+
+
+async def test_the_controller_asks_for_a_reading_soon_with_the_limit_s_sources() -> None:
+    """A request held or refused while the start wants a reading soon calls ``want_reading`` (the
+    app wires SignalHub.hurry) with the sources that feed the limit; an admitted one does not, nor
+    does a limit at its max, or one waiting out a latency percentile's window."""
+    from prometheus_client import CollectorRegistry
+
+    from extproc.controller import Controller
+    from extproc.metrics import Metrics
+
+    now = [0.0]
+    data = running_policy(start=4).model_dump()
+    data["lanes"][0]["max_queued"] = 0  # interactive: refused at its share (3 of 4)
+    controller = Controller(Policy.model_validate(data), Metrics(CollectorRegistry()), clock=lambda: now[0])
+    asked: list[frozenset[str]] = []
+    controller.want_reading = asked.append
+    controller.on_signals(engines(0, 0), 0)
+    assert asked == []
+    for _ in range(3):
+        assert controller.submit("interactive", "t", job()).outcome.value == "admitted"
+    assert asked == []
+    now[0] = 0.1
+    assert controller.submit("interactive", "t", job()).outcome.value == "rejected"
+    assert asked == [frozenset({"engines"})]
+    controller.refused("interactive", Reason.QUEUE_FULL, "t")  # (refused before the scheduler)
+    assert len(asked) == 2
+    # A latency percentile over its target: the start waits out its window, no reading soon.
+    now[0] = 0.2
+    controller.on_signals(engines(0.2, 3, ttft=1.5), 0.2)
+    assert controller.machine.auto is not None
+    assert not controller.machine.auto.reading_soon
+    assert controller.submit("interactive", "t", job()).outcome.value == "rejected"
+    assert len(asked) == 2
+    # At its max: nothing more to double into.
+    for start, soon in ((4, True), (6, False)):
+        auto = running_policy(start=start, max=6).capacity.auto
+        assert auto is not None
+        assert AutoLimit(auto, running_policy().signals, lanes=2).reading_soon is soon
