@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 from extproc.localstack import Process, Stack, envoy_config, free_port, stack, wait_http
 from tests.integration.conftest import as_tenant, metric
@@ -78,21 +79,26 @@ class Rig:
         raise AssertionError(f"{what}: not within {WAIT_S}s; last state {auto}")
 
 
+def rigged(s: Stack, tmp_path: Path, policy_text: str) -> Rig:
+    """A sim backend, extproc with ``policy_text`` (its engine at that backend) and Envoy, on ``s``."""
+    backend = free_port()
+    r = Rig(s, backend, "", "", "")
+    r.start_backend()
+    policy = tmp_path / "policy.in.yaml"
+    policy.write_text(policy_text)
+    grpc, http, admin = free_port(), free_port(), free_port()
+    s.extproc(s.policy_for(policy, backend), grpc, http, "--log-format", "json", admin=admin)
+    listen, envoy_admin = free_port(), free_port()
+    s.envoy(envoy_config(listen, envoy_admin, backend, grpc))
+    r.admin, r.metrics, r.url = (f"http://127.0.0.1:{admin}", f"http://127.0.0.1:{http}/metrics",
+                                 f"http://127.0.0.1:{listen}")
+    return r
+
+
 @pytest.fixture
 def rig(tmp_path: Path) -> Iterator[Rig]:
     with stack(tmp_path) as s:
-        backend = free_port()
-        r = Rig(s, backend, "", "", "")
-        r.start_backend()
-        policy = tmp_path / "policy.in.yaml"
-        policy.write_text(POLICY)
-        grpc, http, admin = free_port(), free_port(), free_port()
-        s.extproc(s.policy_for(policy, backend), grpc, http, "--log-format", "json", admin=admin)
-        listen, envoy_admin = free_port(), free_port()
-        s.envoy(envoy_config(listen, envoy_admin, backend, grpc))
-        r.admin, r.metrics, r.url = (f"http://127.0.0.1:{admin}", f"http://127.0.0.1:{http}/metrics",
-                                     f"http://127.0.0.1:{listen}")
-        yield r
+        yield rigged(s, tmp_path, POLICY)
 
 
 def load(url: str, clients: int, seconds: float) -> list[int]:
@@ -161,29 +167,18 @@ def test_the_limit_finds_the_engines_concurrency_then_decays_when_its_signals_di
     assert metric(rig.metrics, "extproc_capacity_signals_stale") == 0
 
 
-HURRIED = """
-lanes:
-  - {name: chat, priority: 10, max_inflight: 80, max_queued: 200, deadline: 30s}
-  - {name: batch, max_inflight: 10, max_queued: 10, deadline: 30s}
-  - {name: bulk, max_inflight: 10, max_queued: 10, deadline: 30s}
-classification: {default_lane: chat}
-capacity:
-  max_inflight: auto
-  max_hold: 60s
-  auto:
-    min: 2
-    max: 64
-    interval: 4s
-    signals: {waiting: engine_waiting, running: engine_running}
-    target: {queue: 0}
-signals:
-  sources:
-    engine: {scrape: {targets: ["http://127.0.0.1:8000/metrics"], interval: 4s, timeout: 1s}}
-  read:
-    engine_waiting: {source: engine, preset: waiting_requests, stale_after: 10s}
-    engine_running: {source: engine, preset: running_requests, stale_after: 10s}
-ratelimit: {mode: "off"}
-"""
+def hurried() -> str:
+    """POLICY with three lanes and engines read every 4 s (waiting and running)."""
+    data = yaml.safe_load(POLICY)
+    chat = {**data["lanes"][0], "priority": 10, "max_inflight": 80}
+    data["lanes"] = [chat, *({"name": name, "max_inflight": 10, "max_queued": 10, "deadline": "30s"}
+                             for name in ("batch", "bulk"))]
+    data["capacity"]["auto"].update(interval="4s", signals={"waiting": "engine_waiting",
+                                                            "running": "engine_running"})
+    data["signals"]["sources"]["engine"]["scrape"].update(interval="4s", timeout="1s")
+    data["signals"]["read"] = {f"engine_{role}": {"source": "engine", "preset": f"{role}_requests",
+                                                  "stale_after": "10s"} for role in ("waiting", "running")}
+    return str(yaml.safe_dump(data))
 
 
 def test_a_start_at_a_few_slots_per_lane_reads_its_engines_again_within_the_interval(tmp_path: Path) -> None:
@@ -191,17 +186,7 @@ def test_a_start_at_a_few_slots_per_lane_reads_its_engines_again_within_the_inte
     forward to a quarter of its 4 s interval, so the start doubles several times within one interval:
     with a reading every 4 s, 2 → 4 at most in that time."""
     with stack(tmp_path) as s:
-        backend = free_port()
-        rig = Rig(s, backend, "", "", "")
-        rig.start_backend()
-        policy = tmp_path / "policy.in.yaml"
-        policy.write_text(HURRIED)
-        grpc, http, admin = free_port(), free_port(), free_port()
-        s.extproc(s.policy_for(policy, backend), grpc, http, "--log-format", "json", admin=admin)
-        listen, envoy_admin = free_port(), free_port()
-        s.envoy(envoy_config(listen, envoy_admin, backend, grpc))
-        rig.admin, rig.metrics, rig.url = (f"http://127.0.0.1:{admin}", f"http://127.0.0.1:{http}/metrics",
-                                           f"http://127.0.0.1:{listen}")
+        rig = rigged(s, tmp_path, hurried())
         first = rig.wait_for(lambda a: a["signals"].get("running") is not None, "a first engine reading")
         assert first["limit"] == 2
         # Load starts just after a reading; 3 s of it is less than one interval.
