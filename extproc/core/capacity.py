@@ -47,9 +47,11 @@ p95, the requests the engines run, and their KV-cache usage.
   over target only pauses it for the percentile's window (it is mostly the burst of held requests
   the last doubling let in). With the engines' KV-cache usage (the ``kv_cache`` role) a growth goes
   no further than where the cache would be 90 % full at what the running requests use of it now
-  (+5 % once there): an engine bound by its cache shows no queue and a low TTFT right up to the
-  moment its sequences outgrow it, so a doubling past that point (128 → 256 live on the 70B profile,
-  whose best static limit is 96) showed only later, as a queue the admitted excess waited in. A
+  (+5 % once there), and the start ends there: an engine bound by its cache shows no queue and a
+  low TTFT right up to the moment its sequences outgrow it, so a doubling past that point (128 → 256
+  live on the 70B profile, whose best static limit is 96) showed only later, as a queue the admitted
+  excess waited in; and a start that went on from there crept up the cache's room on the demand of
+  lanes held at their shares, to twice what the engines ran. A
   queue the engines cannot clear (four times the target) ends it (unless, as above, they are taking
   it in), and where they had too many is then what they ran, not the doubling's overshoot. After
   that, as TCP CUBIC: quickly (+5 %, doubling per growth up to +25 %) back up to 95 % of where the
@@ -108,8 +110,8 @@ _CLEAR_QUEUE = 4
 #: over what the engines run: the engines' own queue is what feeds their next step.
 _CHEAP_BUFFER = 0.25
 #: A start grows no further than where the engines' KV cache would be this full at the share of it
-#: each running request uses now (the kv_cache role; +5 % once there, while it is not yet): a
-#: cache-bound engine shows no queue until its sequences outgrow the cache, a reading after the
+#: each running request uses now (the kv_cache role; +5 % once there, while it is not yet), and ends
+#: there: a cache-bound engine shows no queue until its sequences outgrow the cache, a reading after the
 #: doubling that overfilled it. A cache this full is a signal without headroom: no limit grows (an
 #: engine that preempts past it recomputes; growing there took the V0-like engine 56 → 70 at 99 %
 #: while a few waited, and the fall that followed held its interactive lane past its deadline).
@@ -448,6 +450,15 @@ class AutoLimit:
         why = f"headroom: {seen}"
         if room is not None and room < min(doubled, auto.max):
             why += f"; not doubled: at that usage the KV cache holds about {room / _KV_FULL:.0f}"
+            if fresh["kv_cache"] <= 1.0:
+                # The cache says where the engines fill: the start has found their scale, and goes no
+                # further by doubling or by demand (going on crept the 70B's limit from 128 up the
+                # cache's room, 145, 160, 189, at twice what ran, while the lanes below held work at
+                # their shares). What is left is the careful growth, while in flight presses the limit.
+                # (A usage past full is no usage: it slows a start, and must not end it for good.)
+                why += "; the start ends"
+                self._slow_start = False
+                self._growth = _GROW_FIRST
         return self._moved(before, now, "headroom", why)
 
     def _idle(self, fresh: Mapping[Role, float]) -> bool:

@@ -829,14 +829,13 @@ def kv_policy(**auto: Any) -> Policy:
                                   "capacity": {"max_inflight": "auto", "auto": config}})
 
 
-def test_a_start_doubles_no_further_than_the_kv_cache_holds_and_goes_on() -> None:
-    a = auto_of(kv_policy(start=128))
-    a.update(engines(0, 0), 0, False, 0)
-    assert a.limit == 128
-
+def test_a_start_doubles_no_further_than_the_kv_cache_holds_and_ends_there() -> None:
     def kv(now: float, running: float, usage: float) -> dict[str, Reading]:
         return {**engines(now, running), "kv": Reading(usage, now)}
 
+    a = auto_of(kv_policy(start=128))
+    a.update(engines(0, 0), 0, False, 0)
+    assert a.limit == 128
     # 95 run in 75 % of the cache: it holds about 127 at that usage, so a doubling to 256 would overfill
     # it (90 % of it: 114, under the limit already). Not doubled: the ordinary first step, +5 %.
     move = a.update(kv(1, 95, 0.75), 120, True, 1)
@@ -844,22 +843,29 @@ def test_a_start_doubles_no_further_than_the_kv_cache_holds_and_goes_on() -> Non
     assert move.reason == "headroom"
     assert a.limit == 134
     assert "kv_cache 75%" in move.why
-    assert "not doubled: at that usage the KV cache holds about 127" in move.why
-    # The start goes on (a step, not its end): the next reading, at 50 %, grows to 90 % of what the cache
-    # holds at that usage (126 / 0.5 × 0.9 = 226, short of a doubling to 268)...
-    move = a.update(kv(2, 126, 0.5), 130, True, 2)
+    assert "not doubled: at that usage the KV cache holds about 127; the start ends" in move.why
+    # The start is over: the next reading, within the interval (2 s), moves nothing, though requests
+    # are held back (a start moves on every fresh reading) and the cache now shows room for twice as
+    # many; the one after the interval grows by the careful first step (+5 %), not to the cache's room
+    # (126 / 0.5 × 0.9 = 226) nor by a doubling.
+    assert a.update(kv(2, 126, 0.5), 130, True, 2) is None
+    assert a.limit == 134
+    move = a.update(kv(3, 126, 0.5), 130, True, 3)
     assert move is not None
-    assert a.limit == 226
-    assert "not doubled: at that usage the KV cache holds about 252" in move.why
-    # ... a cache with room for twice as many doubles in full, up to max (and the why blames max, not the
-    # cache: 250 / 0.4 × 0.9 = 562 is past the doubling to 453, and 516 after it is past 512) ...
-    move = a.update(kv(3, 250, 0.4), 220, True, 3)
+    assert a.limit == 141  # (134.4 × 1.05)
+    assert "not doubled" not in move.why
+    # A cache with room for twice as many doubles in full, and the start goes on, up to max (and the
+    # why blames max, not the cache: 250 / 0.4 × 0.9 = 562 is past the doubling to 512).
+    b = auto_of(kv_policy(start=128))
+    b.update(engines(0, 0), 0, False, 0)
+    move = b.update(kv(1, 120, 0.2), 120, True, 1)
     assert move is not None
-    assert a.limit == 453
-    move = a.update(kv(4, 430, 0.75), 440, True, 4)
+    assert b.limit == 256
+    assert "not doubled" not in move.why
+    move = b.update(kv(2, 250, 0.4), 250, True, 2)  # (within the interval: the start's quick reading)
     assert move is not None
-    assert a.limit == 512
-    assert "not doubled" not in move.why  # (the cache allows 516: max stops it first)
+    assert b.limit == 512
+    assert "not doubled" not in move.why  # (the cache allows 562: max stops it first)
     # ... and so does a start without a usage to go by: missing, too little in use to tell, or garbage
     # (negative, not a number, infinite).
     for usage in (None, 0.01, -0.5, math.nan, math.inf):
@@ -869,7 +875,7 @@ def test_a_start_doubles_no_further_than_the_kv_cache_holds_and_goes_on() -> Non
         assert b.update({**engines(1, 15), **reading}, 15, True, 1) is not None
         assert b.limit == 32
     # A usage past full (a percentage where a fraction belongs) only slows the start to the ordinary
-    # step: it never stops it or moves the limit down (nor does it stop a limit out of the start, as
+    # step: it never ends it or moves the limit down (nor does it stop a limit out of the start, as
     # a cache 90 % full does: a misread metric must not hold the limit where it is for good).
     for usage in (75.0, 1.5):
         c = auto_of(kv_policy(start=16))
