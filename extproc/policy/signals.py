@@ -295,6 +295,13 @@ class Signals(Strict):
     def signals_of(self, source: str) -> dict[str, Signal]:
         return {name: signal for name, signal in self.read.items() if signal.source == source}
 
+    def hurriable(self, names: Collection[str]) -> frozenset[str]:
+        """Which of these sources may be read again sooner than their interval (``SignalHub.hurry``):
+        the ``scrape`` ones. What a Prometheus source answers changes only as often as Prometheus
+        scrapes; an unknown name is none."""
+        return frozenset(name for name in names
+                         if (source := self.sources.get(name)) is not None and source.scrape is not None)
+
 
 def _known(names: Collection[str]) -> str:
     return f"one of {sorted(names)}" if names else "none (define some first)"

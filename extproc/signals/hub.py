@@ -140,9 +140,9 @@ class SignalHub:
         last round began, not a whole interval (the self-sized limit's start at a few slots per lane:
         ``Machine.reading_wanted``). A Prometheus source is not hurried: what it answers changes only
         as often as Prometheus scrapes. Unknown or stopped sources are ignored."""
-        for name in sources:
-            source, soon = self._signals.sources.get(name), self._soon.get(name)
-            if source is not None and source.scrape is not None and soon is not None:
+        for name in self._signals.hurriable(frozenset(sources)):
+            soon = self._soon.get(name)
+            if soon is not None:
                 soon.set()
 
     def readings(self) -> dict[str, Reading]:

@@ -268,12 +268,8 @@ class _Run:
             if policy is not None and policy.signals.read else math.inf
         self.next_poll = 0.0 if math.isfinite(self.poll) else math.inf
         self.last_poll = -math.inf
-        # The self-sized limit's start reads a scrape source again soon (SignalHub.hurry); what a
-        # Prometheus source answers changes only on Prometheus' own scrapes.
-        sources = policy.signals.sources if policy is not None else {}
-        self.hurried = policy is not None and any(
-            (source := sources.get(name)) is not None and source.scrape is not None
-            for name in policy.capacity_sources)
+        # The self-sized limit's start reads a scrape source again soon (SignalHub.hurry).
+        self.hurried = policy is not None and bool(policy.signals.hurriable(policy.capacity_sources))
         self.windows = {name: _window(policy, name) for name in self.signals} if policy is not None else {}
         self.changes = list(sim.capacity_schedule)
         self.timeline: list[tuple[float, int, int, int]] = []
