@@ -13,18 +13,20 @@ p95, the requests the engines run, and their KV-cache usage.
   down to what runs; and a few waiting while TTFT p95 is under half its target are no queue at all
   (they cost no first token: an engine that takes new requests into its batch every few steps shows
   some at most samples with slots free). A larger queue with TTFT p95 still under half its target
-  (an engine that prefills waiting requests first, or preempts and resumes) is cheap: the limit
+  (an engine that prefills waiting requests first, or preempts and resumes) is cheap, unless TTFT
+  p95 has tripled since the last reading without a queue (its first tokens wait in it): the limit
   keeps a quarter over what runs, once per ``cooldown``, rather than falling to what runs (that
   threw away the buffer a static limit keeps, and left lower lanes holding slots from the higher
   limit while the interactive lane waited out its deadline); in the start, at idle engines (a KV
   cache under half full, TTFT p95 under a quarter of its target) it is a doubling's prefills, and
-  the start goes on from the trim. A latency percentile above its target
-  cuts the limit in proportion (target / observed, between ×0.5 and ×0.95; a TPOT, which a smaller
-  batch shortens only a little, by ×0.9 at most). A percentile looks back over its window (the
-  signal's ``window``, or a query's ``[range]``), so after a fall it may cut again only once that
-  window and ``cooldown`` have passed (for TTFT, the window plus the TTFT seen: a first token seen
-  now is of a request admitted that long ago); the queue always may (it is a gauge). Each fall
-  remembers where the engines had too many: what ran then (not a limit far above it; a cheap
+  the start goes on from the trim. A latency percentile above its target cuts the limit in
+  proportion (target / observed, between ×0.5 and ×0.95; a TPOT, which a smaller batch shortens only
+  a little, by ×0.9 at most, and so a TTFT while the engines queue nothing though they did within
+  its window: it holds the first tokens of a queue already gone). A percentile looks back over its
+  window (the signal's ``window``, or a query's ``[range]``), so after a fall it may cut again only
+  once that window and ``cooldown`` have passed (for TTFT, the window plus the TTFT seen: a first
+  token seen now is of a request admitted that long ago); the queue always may (it is a gauge). Each
+  fall remembers where the engines had too many: what ran then (not a limit far above it; a cheap
   queue's trim leaves it).
 * **Grow carefully.** Only while every fresh signal has headroom (no engine queue beyond the target,
   latencies below 90 % of their targets, a KV cache under 90 % full) *and* the limit is what holds
@@ -86,6 +88,12 @@ _MAX_CUT, _CUT_FLOOR, _CUT_CEILING = 0.5, 0.5, 0.95
 #: sequence, so TPOT is far from proportional to concurrency, and a cut in proportion (as for TTFT,
 #: which is queueing) took a third of the slots off for a TPOT that fewer would not have fixed.
 _TPOT_CUT_FLOOR = 0.9
+#: A TTFT over target while the engines queue nothing, though they did within the percentile's window,
+#: cuts at most this much at once: the percentile still holds the first tokens of that queue, which is
+#: gone (the limit's fall, or the engines, took it off). A cut in proportion then halved the TGI-like
+#: engine's limit (47 to 23) five seconds after its queue had drained, and its interactive lane,
+#: holding 30 slots against a share of 18, refused for eight seconds.
+_TTFT_DRAINED_CUT_FLOOR = 0.9
 #: Growth per interval: first step, largest step (consecutive growths double it up to this).
 _GROW_FIRST, _GROW_MAX = 0.05, 0.25
 #: Near the last fall's starting point (within this share of it) growth creeps by _CREEP (at
@@ -124,6 +132,13 @@ _DECAY = 0.9
 #: first token anything: not a queue to fall for (an engine that batches new requests in every few
 #: steps shows a few waiting at most samples with free slots).
 _QUEUE_TTFT = 0.5
+#: Nor is a queue cheap once TTFT p95 has risen to this many times what it was at the last reading
+#: with none (and past _QUEUE_RISE_FLOOR of its target: an idle engine's few milliseconds say little):
+#: the first tokens then wait in it, even while the percentile is still under half its target (the
+#: 70B's start at twice its capacity, its KV cache roomy: 66 ms with no queue, then 283, 423 and 498 ms
+#: with 5 to 14 waiting at a quarter over the 128 it runs, first tokens up to 0.6 s). The engines that
+#: queue a few between their join points show it at the TTFT they have with none.
+_QUEUE_RISE, _QUEUE_RISE_FLOOR = 3.0, 0.1
 #: A start goes on through a queue over _CLEAR_QUEUE times the target only while what the engines run
 #: rose, since the last reading, by at least this share of what waited then (and it costs no first
 #: token): the engines are taking the queue in, at a join point, not out of room.
@@ -194,10 +209,14 @@ class AutoLimit:
         self._over = False
         self._ceiling: float | None = None
         self._lookback: dict[Role, float] = {}
-        self._look(signals)
+        self._lookback = _lookbacks(auto, signals)
         self._queueing = False
         self._running: float | None = None
         self._waiting: float | None = None
+        #: TTFT p95 at the last reading with no engine queue (beyond the target): what a queue adds to.
+        self._calm_ttft: float | None = None
+        #: When a reading last showed an engine queue beyond the target.
+        self._queued_at: float | None = None
         self._stale_since: float | None = None
         self._values: dict[str, float | None] = {}
         self._unreachable: str | None = None
@@ -222,11 +241,12 @@ class AutoLimit:
         """A new policy: keep the limit learned so far, clamped into the new bounds (``lanes``: the new
         policy's count, if it changed)."""
         if auto.signals != self.auto.signals:
-            self._running = self._waiting = None  # other signals: their last readings say nothing now
+            # other signals: their last readings say nothing now
+            self._running = self._waiting = self._calm_ttft = self._queued_at = None
         self.auto, self._signals = auto, signals
         if lanes is not None:
             self.lanes = lanes
-        self._look(signals)
+        self._lookback = _lookbacks(auto, signals)
         clamped = min(max(self._value, auto.min), auto.max)
         if int(clamped) != self.limit:
             before = self.limit
@@ -280,6 +300,11 @@ class AutoLimit:
         if not fresh:
             return self._stale(now)
         self._stale_since = None
+        waiting = fresh.get("waiting")
+        if waiting is not None and waiting > self.auto.target.queue:
+            self._queued_at = now
+        elif waiting is not None and "ttft_p95" in fresh:
+            self._calm_ttft = fresh["ttft_p95"]
         if self.starting and fresh.get("running") is not None:
             seeded = self._seed(fresh, now)
             if seeded is not None:
@@ -324,9 +349,11 @@ class AutoLimit:
         return queueing, queueing and (seen_before or large)
 
     def _queue_is_cheap(self, fresh: Mapping[Role, float]) -> bool:
-        """TTFT p95 under half its target: requests waiting at the engines cost no first token yet."""
-        ttft, goal = fresh.get("ttft_p95"), self.auto.target.ttft_p95
-        return ttft is not None and goal is not None and ttft < _QUEUE_TTFT * goal
+        """TTFT p95 under half its target, and not risen to three times what it was at the last reading
+        with no engine queue: requests waiting at the engines cost no first token yet."""
+        ttft, goal, calm = fresh.get("ttft_p95"), self.auto.target.ttft_p95, self._calm_ttft
+        return ttft is not None and goal is not None and ttft < _QUEUE_TTFT * goal and (
+            calm is None or ttft < max(_QUEUE_RISE * calm, _QUEUE_RISE_FLOOR * goal))
 
     def _queue_fall(self, waiting: float, inflight: int, now: float) -> Move | None:
         # What the engines run is what is in flight less what waits in their queues. A limit
@@ -411,6 +438,9 @@ class AutoLimit:
         if at_min or now - self._last_cut < wait:
             return True, None
         floor = _TPOT_CUT_FLOOR if reason == "tpot" else _CUT_FLOOR
+        seen = self._lookback.get("ttft_p95", 0.0) + fresh.get("ttft_p95", 0.0)  # what a TTFT p95 holds
+        if reason == "ttft" and _drained(fresh, auto.target.queue, self._queued_at, now, seen):
+            floor = _TTFT_DRAINED_CUT_FLOOR
         self._value = max(float(auto.min), self._value * min(max(ratio, floor), _CUT_CEILING))
         if self._slow_start:
             # Before the engines first queue, a percentile over target is mostly the burst of
@@ -442,7 +472,7 @@ class AutoLimit:
             self._slow_start and held and inflight + queued >= self._value and self._idle(fresh))
         if not headroom or not pressed or self._value >= auto.max:
             return None
-        room = self._kv_room(fresh) if self._slow_start else None
+        room = _kv_room(fresh) if self._slow_start else None
         doubled = self._grown()
         self._value = min(float(auto.max), doubled if room is None else max(
             min(doubled, room), self._value * (1 + _GROW_FIRST), self._value + 1))
@@ -469,16 +499,6 @@ class AutoLimit:
             ttft = None  # (no target to measure it by)
         return (kv is not None or ttft is not None) and (kv is None or kv < _IDLE_KV) \
             and (ttft is None or (goal is not None and ttft < _IDLE_TTFT * goal))
-
-    @staticmethod
-    def _kv_room(fresh: Mapping[Role, float]) -> float | None:
-        """What the engines could run with their KV cache 90 % full, at the share of it each running
-        request uses now (None: unknown, or too little in use to tell)."""
-        kv, running = fresh.get("kv_cache"), fresh.get("running")
-        if kv is None or running is None or not (math.isfinite(kv) and math.isfinite(running)) \
-                or running < 1 or kv < _KV_MEASURABLE:
-            return None
-        return running / kv * _KV_FULL
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -550,14 +570,6 @@ class AutoLimit:
             return min(grown, max(ceiling * (1 - _NEAR), value + 1))
         return grown
 
-    def _look(self, signals: Signals) -> None:
-        self._lookback = {}
-        for role in ROLES:
-            name = getattr(self.auto.signals, role)
-            signal = signals.read.get(name) if name is not None else None
-            if signal is not None and signal.lookback is not None:
-                self._lookback[role] = signal.lookback
-
     def _cut(self, now: float, trouble: float | None) -> None:
         """``trouble``: the concurrency the engines could not take (what ran, not a limit above it);
         None: not known from this fall (the last one's stays)."""
@@ -574,6 +586,35 @@ class AutoLimit:
         self._since = now
         self.starting = False
         return Move(self.limit, before, now, reason, why)
+
+
+def _kv_room(fresh: Mapping[Role, float]) -> float | None:
+    """What the engines could run with their KV cache 90 % full, at the share of it each running
+    request uses now (None: unknown, or too little in use to tell)."""
+    kv, running = fresh.get("kv_cache"), fresh.get("running")
+    if kv is None or running is None or not (math.isfinite(kv) and math.isfinite(running)) \
+            or running < 1 or kv < _KV_MEASURABLE:
+        return None
+    return running / kv * _KV_FULL
+
+
+def _drained(fresh: Mapping[Role, float], queue: int, queued_at: float | None, now: float, window: float
+             ) -> bool:
+    """The engines queue no more than ``queue`` now, but did (last at ``queued_at``) within ``window``
+    (what a TTFT p95 seen now looks back over): the percentile holds that queue's first tokens."""
+    waiting = fresh.get("waiting")
+    return waiting is not None and waiting <= queue and queued_at is not None and now - queued_at <= window
+
+
+def _lookbacks(auto: AutoCapacity, signals: Signals) -> dict[Role, float]:
+    """How far back each of the limit's percentile signals looks (its window, or a query's range)."""
+    out: dict[Role, float] = {}
+    for role in ROLES:
+        name = getattr(auto.signals, role)
+        signal = signals.read.get(name) if name is not None else None
+        if signal is not None and signal.lookback is not None:
+            out[role] = signal.lookback
+    return out
 
 
 def _fmt(role: str, value: float) -> str:

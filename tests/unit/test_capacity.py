@@ -150,6 +150,36 @@ def test_a_queue_that_costs_no_first_token_keeps_a_buffer_over_what_runs_once_pe
     assert move.limit == 71
 
 
+def test_a_queue_is_not_cheap_once_ttft_has_tripled_since_the_engines_had_none() -> None:
+    """TTFT p95 still under half its target, but three times what it was at the last reading without an
+    engine queue: the first tokens wait in that queue. The limit falls to what runs (70), not to a
+    quarter over it (87). Where TTFT was already as high with no queue (an engine that queues a few
+    between join points), or under a tenth of its target, the queue is cheap."""
+    costly = auto_of(policy(start=100))
+    assert costly.update(readings(0, waiting=0, ttft=0.06), inflight=50, held=False, now=0) is None
+    move = costly.update(readings(2, waiting=20, ttft=0.3), inflight=90, held=True, now=2)
+    assert move is not None
+    assert (move.limit, move.reason) == (70, "engine_queue")
+    cheap = auto_of(policy(start=100))
+    assert cheap.update(readings(0, waiting=0, ttft=0.2), inflight=50, held=False, now=0) is None
+    move = cheap.update(readings(2, waiting=20, ttft=0.3), inflight=90, held=True, now=2)
+    assert move is not None
+    assert move.limit == 87
+    assert "a quarter over the 70 they run" in move.why
+    fast = auto_of(policy(start=100))
+    assert fast.update(readings(0, waiting=0, ttft=0.005), inflight=50, held=False, now=0) is None
+    move = fast.update(readings(2, waiting=20, ttft=0.09), inflight=90, held=True, now=2)
+    assert move is not None
+    assert move.limit == 87
+    # What it adds to is the TTFT at the last reading with no queue: not one taken while queueing.
+    later = auto_of(policy(start=100))
+    assert later.update(readings(0, waiting=0, ttft=0.06), inflight=50, held=False, now=0) is None
+    assert later.update(readings(2, waiting=0, ttft=0.2), inflight=50, held=False, now=2) is None
+    move = later.update(readings(4, waiting=20, ttft=0.3), inflight=90, held=True, now=4)
+    assert move is not None
+    assert move.limit == 87
+
+
 def test_a_request_or_two_waiting_below_a_loose_limit_trims_it_not_down_to_what_runs() -> None:
     # 47 run under a limit of 64 and one request waits at the engines twice running: it may be
     # one caught between two engine steps; the limit sheds that one, not 17 slots.
@@ -213,6 +243,32 @@ def test_a_tpot_over_target_cuts_a_tenth_at_most() -> None:
     move = a.update(readings(6, tpot=0.0515), 90, False, 6)
     assert move is not None
     assert (move.limit, move.reason) == (85, "tpot")  # at least 5 %, as any cut
+
+
+def test_a_ttft_over_target_after_the_engines_queue_drained_cuts_a_tenth_at_most() -> None:
+    """The percentile looks back over its window (here the TTFT itself, 2 s): a TTFT over target while
+    the engines queue nothing, though they did within it, is that queue's first tokens, and the queue is
+    gone. It cuts by a tenth at most; in proportion (by half) where no queue was seen in that window,
+    as before it, or long ago."""
+    drained = auto_of(policy(start=100, cooldown="6s"))
+    assert drained.update(readings(0, waiting=2), inflight=60, held=False, now=0) is None  # one sample
+    move = drained.update(readings(2, waiting=0, ttft=2.0), inflight=60, held=False, now=2)
+    assert move is not None
+    assert (move.limit, move.reason) == (90, "ttft")
+    never = auto_of(policy(start=100, cooldown="6s"))
+    move = never.update(readings(2, waiting=0, ttft=2.0), inflight=60, held=False, now=2)
+    assert move is not None
+    assert move.limit == 50
+    long_ago = auto_of(policy(start=100, cooldown="6s"))
+    assert long_ago.update(readings(0, waiting=2), inflight=60, held=False, now=0) is None
+    move = long_ago.update(readings(3, waiting=0, ttft=2.0), inflight=60, held=False, now=3)
+    assert move is not None
+    assert move.limit == 50
+    # A queue still there is no drained one: in proportion.
+    queued = auto_of(policy(start=100, cooldown="6s"))
+    move = queued.update(readings(0, waiting=1, ttft=2.0), inflight=60, held=False, now=0)
+    assert move is not None
+    assert move.limit == 50
 
 
 def test_a_percentile_cuts_again_only_after_its_window_has_passed() -> None:
