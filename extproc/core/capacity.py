@@ -12,22 +12,23 @@ p95, the requests the engines run, and their KV-cache usage.
   sheds only a few waiting requests (ones caught between two engine steps look the same), not itself
   down to what runs; and a few waiting while TTFT p95 is under half its target are no queue at all
   (they cost no first token: an engine that takes new requests into its batch every few steps shows
-  some at most samples with slots free). A larger queue with TTFT p95 still under half its target
-  (an engine that prefills waiting requests first, or preempts and resumes) is cheap, unless TTFT
-  p95 has tripled since the last reading without a queue (its first tokens wait in it): the limit
-  keeps a quarter over what runs, once per ``cooldown``, rather than falling to what runs (that
-  threw away the buffer a static limit keeps, and left lower lanes holding slots from the higher
-  limit while the interactive lane waited out its deadline); in the start, at idle engines (a KV
-  cache under half full, TTFT p95 under a quarter of its target) it is a doubling's prefills, and
-  the start goes on from the trim. A latency percentile above its target cuts the limit in
-  proportion (target / observed, between ×0.5 and ×0.95; a TPOT, which a smaller batch shortens only
-  a little, by ×0.9 at most, and so a TTFT while the engines queue nothing though they did within
-  its window: it holds the first tokens of a queue already gone). A percentile looks back over its
-  window (the signal's ``window``, or a query's ``[range]``), so after a fall it may cut again only
-  once that window and ``cooldown`` have passed (for TTFT, the window plus the TTFT seen: a first
-  token seen now is of a request admitted that long ago); the queue always may (it is a gauge). Each
-  fall remembers where the engines had too many: what ran then (not a limit far above it; a cheap
-  queue's trim leaves it).
+  some at most samples with slots free), unless that TTFT has tripled since the last reading with no
+  queue (and is past a tenth of its target): then their first tokens wait, and they are a queue. A
+  larger queue with TTFT p95 still under half its target (an engine that prefills waiting requests
+  first, or preempts and resumes) is cheap, with the same exception: the limit keeps a quarter over
+  what runs, once per ``cooldown``, rather than falling to what runs (that threw away the buffer a
+  static limit keeps, and left lower lanes holding slots from the higher limit while the interactive
+  lane waited out its deadline); in the start, at idle engines (a KV cache under half full, TTFT p95
+  under a quarter of its target) it is a doubling's prefills, and the start goes on from the trim. A
+  latency percentile above its target cuts the limit in proportion (target / observed, between ×0.5
+  and ×0.95; a TPOT, which a smaller batch shortens only a little, by ×0.9 at most, and so a TTFT
+  while the engines queue no more than the target though they did within its window and the TTFT
+  seen: it holds the first tokens of a queue already gone). A percentile looks back over its window
+  (the signal's ``window``, or a query's ``[range]``), so after a fall it may cut again only once
+  that window and ``cooldown`` have passed (for TTFT, the window plus the TTFT seen: a first token
+  seen now is of a request admitted that long ago); the queue always may (it is a gauge). Each fall
+  remembers where the engines had too many: what ran then (not a limit far above it; a cheap queue's
+  trim leaves it).
 * **Grow carefully.** Only while every fresh signal has headroom (no engine queue beyond the target,
   latencies below 90 % of their targets, a KV cache under 90 % full) *and* the limit is what holds
   traffic back (in flight ≥ 90 % of the limit, or ≥ 75 % while requests wait in extproc's queues for
@@ -208,7 +209,6 @@ class AutoLimit:
         #: The last tick saw a latency percentile over its target (a start waits out its window).
         self._over = False
         self._ceiling: float | None = None
-        self._lookback: dict[Role, float] = {}
         self._lookback = _lookbacks(auto, signals)
         self._queueing = False
         self._running: float | None = None
@@ -241,8 +241,9 @@ class AutoLimit:
         """A new policy: keep the limit learned so far, clamped into the new bounds (``lanes``: the new
         policy's count, if it changed)."""
         if auto.signals != self.auto.signals:
-            # other signals: their last readings say nothing now
-            self._running = self._waiting = self._calm_ttft = self._queued_at = None
+            self._running = self._waiting = None  # other signals: their last readings say nothing now
+        if auto.signals != self.auto.signals or auto.target != self.auto.target:
+            self._calm_ttft = self._queued_at = None  # (a queue, and its absence, against other targets)
         self.auto, self._signals = auto, signals
         if lanes is not None:
             self.lanes = lanes

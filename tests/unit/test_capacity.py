@@ -171,13 +171,37 @@ def test_a_queue_is_not_cheap_once_ttft_has_tripled_since_the_engines_had_none()
     move = fast.update(readings(2, waiting=20, ttft=0.09), inflight=90, held=True, now=2)
     assert move is not None
     assert move.limit == 87
-    # What it adds to is the TTFT at the last reading with no queue: not one taken while queueing.
+    # What it adds to is the TTFT at the last reading with no queue (0.2 s here), not an earlier one.
     later = auto_of(policy(start=100))
     assert later.update(readings(0, waiting=0, ttft=0.06), inflight=50, held=False, now=0) is None
     assert later.update(readings(2, waiting=0, ttft=0.2), inflight=50, held=False, now=2) is None
     move = later.update(readings(4, waiting=20, ttft=0.3), inflight=90, held=True, now=4)
     assert move is not None
     assert move.limit == 87
+
+
+def test_a_few_waiting_once_ttft_has_tripled_since_the_engines_had_none_are_a_queue() -> None:
+    """A few waiting at a TTFT p95 under half its target are no queue, but not once that TTFT is three
+    times what it was at the last reading with none: two samples running, the limit sheds them."""
+    a = auto_of(policy(start=64))
+    assert a.update(readings(0, waiting=0, ttft=0.05), inflight=40, held=False, now=0) is None
+    assert a.update(readings(2, waiting=3, ttft=0.3), inflight=64, held=True, now=2) is None  # one sample
+    move = a.update(readings(4, waiting=3, ttft=0.3), inflight=64, held=True, now=4)
+    assert move is not None
+    assert (move.limit, move.reason) == (61, "engine_queue")
+
+
+def test_a_reload_that_changes_the_targets_forgets_the_last_calm_ttft_and_queue() -> None:
+    """What a queue's TTFT is measured against, and when the engines last queued beyond the target, are
+    readings against the old targets: a reload with other targets starts them afresh."""
+    a = auto_of(policy(start=100))
+    assert a.update(readings(0, waiting=0, ttft=0.06), inflight=50, held=False, now=0) is None
+    p = policy(start=100, target={"tpot_p95": "50ms", "ttft_p95": "1s", "queue": 2})
+    assert p.capacity.auto is not None
+    a.reconfigure(p.capacity.auto, p.signals, 1)
+    move = a.update(readings(2, waiting=20, ttft=0.3), inflight=90, held=True, now=2)
+    assert move is not None
+    assert move.limit == 90  # cheap: a quarter over the 72 that run (not down to them: 72)
 
 
 def test_a_request_or_two_waiting_below_a_loose_limit_trims_it_not_down_to_what_runs() -> None:
