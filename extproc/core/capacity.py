@@ -138,8 +138,9 @@ _QUEUE_TTFT = 0.5
 #: with none (and past _QUEUE_RISE_FLOOR of its target: an idle engine's few milliseconds say little):
 #: the first tokens then wait in it, even while the percentile is still under half its target (the
 #: 70B's start at twice its capacity, its KV cache roomy: 66 ms with no queue, then 283, 423 and 498 ms
-#: with 5 to 14 waiting at a quarter over the 128 it runs, first tokens up to 0.6 s). The engines that
-#: queue a few between their join points show it at the TTFT they have with none.
+#: with 5 to 14 waiting at a quarter over the 128 it runs, first tokens up to 0.6 s). An engine that
+#: queues a few between its join points (TGI-like, V0-like) shows them at about the TTFT it has with
+#: none, so its queue stays cheap.
 _QUEUE_RISE, _QUEUE_RISE_FLOOR = 3.0, 0.1
 #: A start goes on through a queue over _CLEAR_QUEUE times the target only while what the engines run
 #: rose, since the last reading, by at least this share of what waited then (and it costs no first
