@@ -45,7 +45,8 @@ llama-13b-a100-v0 at x0.5 (45 s each), `--runs` seeded runs each (default 3: see
 goodputs and refusals); `best_static_goodput`/`auto_goodput` are medians, `interactive_refused`
 and `interactive_late` sum the runs. The whole bench should take about an hour, the live runs most of it.
 
-    .venv/bin/python bench/adaptive.py [--quick] [--no-live] [--runs N] [--sim-seeds N] [--profiles NAME,...]
+    .venv/bin/python bench/adaptive.py [--quick] [--no-live] [--runs N] [--sim-seeds N] [--cold-seeds N]
+        [--profiles NAME,...]
 
 `--profiles` runs only those (sim and live; the step needs llama-70b-2xh100). Writes
 bench/results/adaptive.json and bench/results/adaptive.png.
@@ -84,6 +85,10 @@ AUTO = ROOT / "examples" / "auto-policy.yaml"
 WORKLOAD = ROOT / "examples" / "workloads" / "chatbot.yaml"
 LOAD = 1.5
 SEED = 1
+#: Seeds per cold start (odd: each median is a seed's): its window holds few interactive requests (a few
+#: dozen on the slower engines, so a p99 is the slowest one or two), and one seed in three may brown out
+#: where the others do not.
+COLD_SEEDS = 9
 PROFILES = [("llama-70b-2xh100", 0.1, "chatbot"), ("llama-8b-h100", 1.0, "chatbot"),
             ("llama-8b-l4", 1.0, "chatbot"), ("llama-70b-2xh100", 0.1, "long-prompt"),
             # Engines unlike the vLLM-like model the limit was tuned on (extproc/sim/dynamics.py), at
@@ -131,10 +136,11 @@ def sim_duration(name: str, time_scale: float, variant: str, least: float, reque
 
 
 def sim_profile(policy: Policy, name: str, time_scale: float, variant: str, least: float, requests: int,
-                seeds: int = 1) -> dict[str, Any]:
+                seeds: int = 1, cold_seeds: int = COLD_SEEDS) -> dict[str, Any]:
     """Auto against every static limit of the sweep, on ``seeds`` seeded workloads (SEED, SEED+1, ...):
     the best static limit is the one with the highest mean goodput over them; ``ratio`` the median of
-    the seeds' ratios (each in ``ratios``); goodputs are medians, refusals sum the seeds."""
+    the seeds' ratios (each in ``ratios``); goodputs are medians, refusals sum the seeds. The cold start
+    (:func:`cold_start`) on ``cold_seeds``."""
     duration = sim_duration(name, time_scale, variant, least, requests)
     profile = get_profile(name)
     sweeps: list[dict[int, tuple[float, int, int]]] = []
@@ -163,7 +169,7 @@ def sim_profile(policy: Policy, name: str, time_scale: float, variant: str, leas
     ratios = [round(auto / sweep[best][0], 3) if sweep[best][0] else None
               for (auto, _, _), sweep in zip(autos, sweeps, strict=True)]
     known = [r for r in ratios if r is not None]
-    cold = cold_start(policy, name, time_scale, variant, best, seeds)
+    cold = cold_start(policy, name, time_scale, variant, best, cold_seeds)
     return {"name": profile_name(name, variant), "mode": "sim",
             "cold_start": cold,
             "time_scale": time_scale, "rate": round(rate, 2), "requests": count,
@@ -188,8 +194,9 @@ def cold_start(policy: Policy, name: str, time_scale: float, variant: str, best:
                ) -> dict[str, dict[str, dict[str, Any]]]:
     """From a cold start (one replica, no store, an idle engine), over the first ``COLD_WINDOW_S``
     seconds at each of ``COLD_LOADS`` times the engine's capacity: the interactive lane's ``refused``
-    (first attempts answered 429 or 503) and ``ttft_p99_s``, for auto and the best static limit of
-    the profile's sweep; with several ``seeds``, the median of each over them (each seed's in ``runs``)."""
+    (first attempts answered 429 or 503), ``ttft_p99_s`` and ``late`` (first attempts let through whose
+    first token came after the lane's SLO, or never), for auto and the best static limit of the
+    profile's sweep; with several ``seeds``, the median of each over them (each seed's in ``runs``)."""
     profile = get_profile(name)
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for load in COLD_LOADS:
@@ -198,7 +205,7 @@ def cold_start(policy: Policy, name: str, time_scale: float, variant: str, best:
             spec, arrivals = workload(variant, name, time_scale, COLD_WINDOW_S + 10.0, load, seed)
             sim = Simulator(profile, time_scale=time_scale, client=spec.client, seed=seed)
             for who, run_policy in (("auto", policy), ("best_static", static(policy, best))):
-                each[who].append(cold_window(sim.run(arrivals, run_policy).results))
+                each[who].append(cold_window(sim.run(arrivals, run_policy).results, spec))
         out[f"{load:g}"] = {who: _median_window(runs) for who, runs in each.items()}
     return out
 
@@ -208,14 +215,17 @@ def _median_window(runs: list[dict[str, Any]]) -> dict[str, Any]:
         return runs[0]
     ttfts = [r["ttft_p99_s"] for r in runs if r["ttft_p99_s"] is not None]
     return {"refused": median([r["refused"] for r in runs]), "ttft_p99_s": median(ttfts) if ttfts else None,
-            "requests": median([r["requests"] for r in runs]), "runs": runs}
+            "late": median([r["late"] for r in runs]), "requests": median([r["requests"] for r in runs]),
+            "runs": runs}
 
 
-def cold_window(results: list[Result], since: float = 0.0) -> dict[str, Any]:
-    """The interactive lane over ``COLD_WINDOW_S`` from ``since``: first attempts refused, TTFT p99."""
+def cold_window(results: list[Result], spec: WorkloadSpec, since: float = 0.0) -> dict[str, Any]:
+    """The interactive lane over ``COLD_WINDOW_S`` from ``since``: first attempts refused, TTFT p99, and
+    first attempts let through whose first token came after its SLO."""
     rows = [r for r in results if r.cls == "interactive" and since <= r.at < since + COLD_WINDOW_S]
     return {"refused": interactive_refused(rows),
-            "ttft_p99_s": p99([r.ttft for r in rows if r.ttft is not None]), "requests": len(rows)}
+            "ttft_p99_s": p99([r.ttft for r in rows if r.ttft is not None]),
+            "late": interactive_late(rows, spec), "requests": len(rows)}
 
 
 def interactive_refused(results: list[Result]) -> int:
@@ -539,14 +549,16 @@ def parse_args() -> argparse.Namespace:
                         help="seeded live runs of auto and of the best static, per profile and for the live "
                              "step (default 3)")
     parser.add_argument("--sim-seeds", type=int, default=3, metavar="N",
-                        help="seeded workloads per simulated profile and cold start (default 3)")
+                        help="seeded workloads per simulated profile and step (default 3)")
+    parser.add_argument("--cold-seeds", type=int, default=COLD_SEEDS, metavar="N",
+                        help=f"seeded workloads per cold start and load (default {COLD_SEEDS})")
     parser.add_argument("--profiles", metavar="NAME[,NAME...]",
                         help="only these profiles (as named in the output, e.g. llama-8b-l40s-tgi or "
                              "llama-70b-2xh100/long-prompt); the step runs only with llama-70b-2xh100")
     parser.add_argument("--out", default=str(RESULTS / "adaptive"))
     args = parser.parse_args()
-    if args.runs < 1 or args.sim_seeds < 1:
-        parser.error("--runs and --sim-seeds must be at least 1")
+    if args.runs < 1 or args.sim_seeds < 1 or args.cold_seeds < 1:
+        parser.error("--runs, --sim-seeds and --cold-seeds must be at least 1")
     known = [profile_name(name, variant) for name, _, variant in PROFILES]
     args.only = set(known)
     if args.profiles:
@@ -568,12 +580,13 @@ def main() -> int:
             continue
         print(f"sim {name} {variant}", file=sys.stderr)
         sims.append(sim_profile(policy, name, time_scale, variant, sim_duration,
-                                2_000 if args.quick else MIN_REQUESTS, args.sim_seeds))
+                                2_000 if args.quick else MIN_REQUESTS, args.sim_seeds, args.cold_seeds))
     doc: dict[str, Any] = {
         "benchmark": "adaptive", "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "parameters": {"load": LOAD, "seed": SEED, "policy": "examples/auto-policy.yaml",
                        "workload": "examples/workloads/chatbot.yaml", "sim_duration_s": sim_duration,
-                       "sim_min_requests": MIN_REQUESTS, "live_runs": args.runs, "sim_seeds": args.sim_seeds},
+                       "sim_min_requests": MIN_REQUESTS, "live_runs": args.runs, "sim_seeds": args.sim_seeds,
+                       "cold_seeds": args.cold_seeds},
         "profiles": sims,
     }
     best = next((p["best_static"] for p in sims if p["name"] == "llama-70b-2xh100"), None)
